@@ -1,0 +1,127 @@
+"""Flying's own settings: one dataclass, one argparse group, one environment hand-off.
+
+The launcher parses SGLang's flags and Flying's flags from one command line. Flying's
+settings travel to every SGLang process (tokenizer, controller, engines are separate
+processes, started with ``spawn``) through one environment variable holding JSON, set
+before SGLang starts any process. ``get_config()`` is the set-once accessor every
+process uses; it never changes after the first read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import asdict, dataclass, field, fields
+
+ENV_VAR = "FLYING_CONFIG"
+
+PLATFORMS = ("auto", "cpu", "native")
+
+
+class ConfigError(ValueError):
+    """A Flying flag has an invalid value; the message names the flag."""
+
+
+@dataclass(frozen=True)
+class FlyingConfig:
+    """Every Flying setting, with its default. Field ``x_y`` is flag ``--flying-x-y``."""
+
+    #: Which platform serves: "auto" picks Flying's CPU platform when no CUDA device is
+    #: visible and SGLang's own platform otherwise; "cpu" forces the CPU platform;
+    #: "native" never activates it.
+    platform: str = "auto"
+    #: Where the embedded demo checkpoint is created (default: $FLYING_CACHE_DIR or
+    #: ~/.cache/flying).
+    cache_dir: str = ""
+    #: Threads per engine on the CPU platform; 0 splits the visible cores evenly.
+    cpu_threads: int = 0
+    #: Help texts, keyed by field name (not a setting).
+    _help: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
+
+    def validate(self) -> FlyingConfig:
+        if self.platform not in PLATFORMS:
+            raise ConfigError(
+                f"--flying-platform must be one of {', '.join(PLATFORMS)}, got {self.platform!r}"
+            )
+        if self.cpu_threads < 0:
+            raise ConfigError(f"--flying-cpu-threads must be >= 0, got {self.cpu_threads}")
+        return self
+
+    def to_json(self) -> str:
+        data = asdict(self)
+        data.pop("_help")
+        return json.dumps(data, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> FlyingConfig:
+        data = json.loads(text)
+        known = {f.name for f in fields(cls) if not f.name.startswith("_")}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown Flying settings in ${ENV_VAR}: {unknown}")
+        return cls(**data).validate()
+
+
+_HELP = {
+    "platform": "Platform: auto (CPU platform when no CUDA device is visible), cpu, native.",
+    "cache_dir": "Directory for the embedded demo checkpoint (default ~/.cache/flying).",
+    "cpu_threads": "Threads per engine on the CPU platform (0: split visible cores evenly).",
+}
+
+
+def _flag(name: str) -> str:
+    return "--flying-" + name.replace("_", "-")
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """Add the "Flying" argument group; defaults come from ``FlyingConfig``."""
+    group = parser.add_argument_group("Flying", "Online DP <-> TP switching (Flying plugin).")
+    for f in fields(FlyingConfig):
+        if f.name.startswith("_"):
+            continue
+        group.add_argument(
+            _flag(f.name),
+            dest="flying_" + f.name,
+            type=type(f.default),
+            default=f.default,
+            choices=PLATFORMS if f.name == "platform" else None,
+            help=_HELP[f.name],
+        )
+
+
+def from_cli_args(args: argparse.Namespace) -> FlyingConfig:
+    values = {
+        f.name: getattr(args, "flying_" + f.name)
+        for f in fields(FlyingConfig)
+        if not f.name.startswith("_")
+    }
+    return FlyingConfig(**values).validate()
+
+
+def flag_reference() -> list[tuple[str, str, str]]:
+    """(flag, default, help) rows, for docs/FLAGS.md and its test."""
+    return [
+        (_flag(f.name), repr(f.default), _HELP[f.name])
+        for f in fields(FlyingConfig)
+        if not f.name.startswith("_")
+    ]
+
+
+_CONFIG: FlyingConfig | None = None
+
+
+def publish(config: FlyingConfig) -> None:
+    """Hand ``config`` to every process SGLang starts from here on."""
+    global _CONFIG
+    os.environ[ENV_VAR] = config.to_json()
+    _CONFIG = config
+
+
+def get_config() -> FlyingConfig:
+    """The process's Flying settings: from ${ENV_VAR} if set, else defaults. Set once."""
+    global _CONFIG
+    if _CONFIG is None:
+        text = os.environ.get(ENV_VAR)
+        _CONFIG = FlyingConfig.from_json(text) if text else FlyingConfig()
+    return _CONFIG

@@ -1,0 +1,157 @@
+"""``python -m flying.launch``: SGLang's server with the Flying plugin and flag group.
+
+Every SGLang server flag is accepted and passed through unchanged; ``--flying-*`` flags
+are Flying's. Without ``--model-path`` the embedded demo model is created (once) and
+served with 2 engines on a CPU-only machine, one engine per GPU otherwise.
+
+On the CPU platform a few SGLang defaults that do not suit a CPU are filled in when the
+user did not give them, each logged: ``--dtype float32`` for float32 checkpoints (auto
+would run them in fp16) and a bounded ``--max-total-tokens`` (otherwise the KV pool
+takes most of the RAM and long to allocate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from flying import config as flying_config
+
+logger = logging.getLogger("flying.launch")
+
+#: KV pool size per engine on the CPU platform when --max-total-tokens is not given.
+CPU_DEFAULT_MAX_TOTAL_TOKENS = 16384
+
+
+def _has_flag(argv: list[str], *names: str) -> bool:
+    return any(a == n or a.startswith(n + "=") for a in argv for n in names)
+
+
+def _flag_value(argv: list[str], name: str) -> str | None:
+    for i, a in enumerate(argv):
+        if a == name and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith(name + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def split_argv(argv: list[str]) -> tuple[flying_config.FlyingConfig, list[str]]:
+    """Separate Flying's flags from SGLang's; validate Flying's."""
+    parser = argparse.ArgumentParser(add_help=False)
+    flying_config.add_cli_args(parser)
+    known, rest = parser.parse_known_args(argv)
+    return flying_config.from_cli_args(known), rest
+
+
+def _checkpoint_dtype(model_path: str) -> str | None:
+    cfg = Path(model_path) / "config.json"
+    if not cfg.is_file():
+        return None
+    data = json.loads(cfg.read_text())
+    return data.get("torch_dtype") or data.get("dtype")
+
+
+def fill_defaults(argv: list[str], cfg: flying_config.FlyingConfig, on_cpu: bool) -> list[str]:
+    """Return SGLang argv with Flying's defaults added where the user gave none."""
+    argv = list(argv)
+    demo = not _has_flag(argv, "--model-path", "--model")
+    if demo:
+        from flying.demo_model import ensure_demo_model
+
+        path = ensure_demo_model(cache_dir=Path(cfg.cache_dir) if cfg.cache_dir else None)
+        logger.info("no --model-path given: serving the embedded demo model at %s", path)
+        argv += ["--model-path", str(path)]
+        if not _has_flag(argv, "--dp-size", "--data-parallel-size", "--dp"):
+            argv += ["--dp-size", str(2 if on_cpu else max(1, _gpu_count()))]
+    if on_cpu:
+        model_path = _flag_value(argv, "--model-path") or _flag_value(argv, "--model")
+        if not _has_flag(argv, "--dtype") and model_path:
+            if _checkpoint_dtype(model_path) == "float32":
+                logger.info("CPU platform: float32 checkpoint, adding --dtype float32")
+                argv += ["--dtype", "float32"]
+        if not _has_flag(argv, "--max-total-tokens"):
+            logger.info(
+                "CPU platform: adding --max-total-tokens %d per engine",
+                CPU_DEFAULT_MAX_TOTAL_TOKENS,
+            )
+            argv += ["--max-total-tokens", str(CPU_DEFAULT_MAX_TOTAL_TOKENS)]
+    return argv
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def print_help() -> None:
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser(
+        prog="python -m flying.launch",
+        description="SGLang server with online DP <-> TP switching (Flying). "
+        "Without --model-path, serves an embedded demo model.",
+    )
+    ServerArgs.add_cli_args(parser)
+    flying_config.add_cli_args(parser)
+    parser.print_help()
+
+
+def _banner(server_args) -> str:
+    host = server_args.host or "127.0.0.1"
+    url = f"http://{host}:{server_args.port}"
+    return (
+        f"\nFlying is starting on {url} (model {server_args.model_path}).\n"
+        f"When it is ready, try:\n"
+        f"  curl {url}/generate -H 'Content-Type: application/json' "
+        "-d '{\"text\": \"Hello\", \"sampling_params\": {\"max_new_tokens\": 16}}'\n"
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(message)s")
+    if _has_flag(argv, "-h", "--help"):
+        print_help()
+        return
+    try:
+        cfg, sglang_argv = split_argv(argv)
+    except flying_config.ConfigError as exc:
+        raise SystemExit(f"error: {exc}") from exc
+
+    from flying.version import VersionMismatch, check_sglang_version
+
+    try:
+        check_sglang_version()
+    except VersionMismatch as exc:
+        raise SystemExit(f"error: {exc}") from exc
+
+    # Publish before SGLang starts any process, so every process sees the same config.
+    flying_config.publish(cfg)
+    from sglang_patches.platform import wants_cpu_platform
+
+    sglang_argv = fill_defaults(sglang_argv, cfg, on_cpu=wants_cpu_platform())
+
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    from sglang.launch_server import run_server
+    from sglang.srt.server_args import prepare_server_args
+    from sglang.srt.utils import kill_process_tree
+
+    server_args = prepare_server_args(sglang_argv)
+    print(_banner(server_args), flush=True)
+    import os
+
+    try:
+        run_server(server_args)
+    finally:
+        kill_process_tree(os.getpid(), include_parent=False)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""Every hook Flying puts into SGLang, as one ordered table (the table of contents).
+
+Each row names the SGLang target, the kind of hook, the function in this package that
+implements it, and why. ``apply_all()`` registers the rows in order, applies them through
+SGLang's ``HookRegistry``, then checks that every target really was patched and raises if
+not: SGLang itself only logs a hook that failed to apply, and a half-patched engine is
+worse than one that does not start.
+
+Files here are thin glue, one per patched SGLang module; logic lives in ``flying/`` and
+``scheduler/``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+# Hook kinds: HookRegistry's four, plus "resolution" for ServerArgs resolution steps
+# (``sglang.srt.arg_groups.resolution_hooks``), whose target is the step's function.
+KINDS = ("before", "after", "around", "replace", "resolution")
+
+
+@dataclass(frozen=True)
+class Patch:
+    target: str  # dotted path of the SGLang object that is patched
+    kind: str  # one of KINDS
+    hook: str  # "sglang_patches.<module>:<function>"
+    why: str
+
+    def load_hook(self):
+        module, name = self.hook.split(":")
+        return getattr(importlib.import_module(module), name)
+
+
+PATCHES: tuple[Patch, ...] = (
+    Patch(
+        "sglang.srt.arg_groups.serving_hook.handle_missing_default_values",
+        "resolution",
+        "sglang_patches.serving_hook:handle_missing_default_values",
+        "CPU platform: default device 'cpu'; split cores between engines",
+    ),
+    Patch(
+        "sglang.srt.arg_groups.platform_hook.handle_cpu_backends",
+        "resolution",
+        "sglang_patches.platform_hook:handle_cpu_backends",
+        "CPU platform: default attention backend torch_native (intel_amx needs sgl_kernel)",
+    ),
+    Patch(
+        "sglang.srt.distributed.bootstrap._init_cpu_threads_env",
+        "around",
+        "sglang_patches.bootstrap:init_cpu_threads_env",
+        "CPU platform: pin each engine to its cores without sgl_kernel",
+    ),
+)
+
+
+class PatchError(RuntimeError):
+    """A hook could not be applied; the server must not start half-patched."""
+
+
+_APPLIED: tuple[str, ...] | None = None
+
+
+def _register(patch: Patch) -> None:
+    hook = patch.load_hook()
+    if patch.kind == "resolution":
+        from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
+
+        register_resolution_hook(patch.target.rsplit(".", 1)[1])(hook)
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(patch.target, hook, HookType(patch.kind))
+
+
+def _is_applied(patch: Patch) -> bool:
+    hook = patch.load_hook()
+    if patch.kind == "resolution":
+        from sglang.srt.arg_groups.resolution_hooks import _HOOKS
+
+        return hook in _HOOKS.get(patch.target.rsplit(".", 1)[1], ())
+    import pkgutil
+
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    if patch.target not in HookRegistry._patched:
+        return False
+    current = pkgutil.resolve_name(patch.target)
+    current = getattr(current, "__func__", current)
+    return current is hook or getattr(current, "__wrapped__", None) is not None
+
+
+def apply_all(patches: tuple[Patch, ...] = PATCHES) -> tuple[str, ...]:
+    """Register and apply every patch once per process; raise ``PatchError`` on any miss."""
+    global _APPLIED
+    if _APPLIED is not None:
+        return _APPLIED
+    for patch in patches:
+        if patch.kind not in KINDS:
+            raise PatchError(f"unknown hook kind {patch.kind!r} for {patch.target}")
+        _register(patch)
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    HookRegistry.apply_hooks()
+    missing = [p.target for p in patches if not _is_applied(p)]
+    if missing:
+        raise PatchError(
+            "flying: these SGLang hooks did not apply (is this sglang "
+            f"version the one Flying pins?): {missing}"
+        )
+    _APPLIED = tuple(p.target for p in patches)
+    logger.info(
+        "flying: applied %d/%d hooks in pid %d: %s",
+        len(_APPLIED),
+        len(patches),
+        os.getpid(),
+        ", ".join(_APPLIED),
+    )
+    return _APPLIED
+
+
+def applied() -> tuple[str, ...]:
+    """The targets patched in this process (empty before ``apply_all``)."""
+    return _APPLIED or ()
