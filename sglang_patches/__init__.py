@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import importlib
 import logging
+import multiprocessing
 import os
+import sys
 from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
@@ -113,12 +115,13 @@ def apply_all(patches: tuple[Patch, ...] = PATCHES) -> tuple[str, ...]:
             f"version the one Flying pins?): {missing}"
         )
     _APPLIED = tuple(p.target for p in patches)
-    logger.info(
-        "flying: applied %d/%d hooks in pid %d: %s",
-        len(_APPLIED),
-        len(patches),
-        os.getpid(),
-        ", ".join(_APPLIED),
+    # Printed, not logged: SGLang's child processes load plugins before they configure
+    # logging, and this line is how tests and operators see that every process is patched.
+    print(
+        f"flying: applied {len(_APPLIED)}/{len(patches)} hooks in pid {os.getpid()} "
+        f"({multiprocessing.current_process().name}): {', '.join(_APPLIED)}",
+        file=sys.stderr,
+        flush=True,
     )
     return _APPLIED
 

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Create .venv (if missing) and install Flying with its test and benchmark extras.
+# Idempotent: a second run only checks that everything is installed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  echo "[setup] creating .venv with $($PY --version)"
+  "$PY" -m venv .venv
+fi
+if ! .venv/bin/python -c "import flying, sglang, pytest, matplotlib" 2>/dev/null; then
+  echo "[setup] installing sglang==0.5.23 and Flying (first time: ~5-7 min)"
+  .venv/bin/pip install --upgrade pip 2>&1 | tail -1
+  .venv/bin/pip install --progress-bar off -e ".[test,bench]" 2>&1 \
+    | grep -v "^WARNING: Location" | grep -E "^(Successfully|ERROR|error)" || true
+fi
+.venv/bin/python -c "import flying, sglang_patches, sglang, pytest" \
+  || { echo "[setup] installation failed" >&2; exit 1; }
+echo "[setup] ready: $(.venv/bin/python -c 'import sglang; print("sglang", sglang.__version__)')"

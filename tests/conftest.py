@@ -1,0 +1,35 @@
+"""Shared fixtures. Integration servers start once per session: SGLang takes ~40-60 s."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.server import Server
+
+#: KV slots per engine in the shared server; small so "too long" prompts are cheap.
+MAX_TOTAL_TOKENS = 2048
+
+
+@pytest.fixture(scope="session")
+def demo_model_dir() -> Path:
+    from flying.demo_model import ensure_demo_model
+
+    return ensure_demo_model()
+
+
+@pytest.fixture(scope="session")
+def dp2_server(demo_model_dir: Path, tmp_path_factory) -> Server:
+    """The demo model on 2 engines (DP), started through ``python -m flying.launch``."""
+    log = tmp_path_factory.mktemp("dp2") / "server.log"
+    server = Server(
+        ["--model-path", str(demo_model_dir), "--dp-size", "2",
+         "--max-total-tokens", str(MAX_TOTAL_TOKENS)],
+        log,
+    )
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()

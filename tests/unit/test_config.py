@@ -1,0 +1,69 @@
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from flying import config
+from flying.launch import fill_defaults, split_argv
+
+pytestmark = pytest.mark.unit
+
+
+def test_defaults_roundtrip_json():
+    cfg = config.FlyingConfig()
+    assert config.FlyingConfig.from_json(cfg.to_json()) == cfg
+
+
+def test_invalid_values_name_the_flag():
+    with pytest.raises(config.ConfigError, match="--flying-cpu-threads"):
+        config.FlyingConfig(cpu_threads=-1).validate()
+    with pytest.raises(config.ConfigError, match="--flying-platform"):
+        config.FlyingConfig(platform="tpu").validate()
+
+
+def test_unknown_setting_in_env_is_rejected():
+    with pytest.raises(config.ConfigError, match="unknown Flying settings"):
+        config.FlyingConfig.from_json('{"nope": 1}')
+
+
+def test_cli_group_defaults_come_from_dataclass():
+    parser = argparse.ArgumentParser()
+    config.add_cli_args(parser)
+    assert config.from_cli_args(parser.parse_args([])) == config.FlyingConfig()
+    args = parser.parse_args(["--flying-platform", "cpu", "--flying-cpu-threads", "3"])
+    assert config.from_cli_args(args) == config.FlyingConfig(platform="cpu", cpu_threads=3)
+
+
+def test_split_argv_passes_sglang_flags_through():
+    cfg, rest = split_argv(["--dp-size", "2", "--flying-cpu-threads", "1", "--port", "9"])
+    assert cfg.cpu_threads == 1
+    assert rest == ["--dp-size", "2", "--port", "9"]
+
+
+def test_fill_defaults_on_cpu_keeps_explicit_flags(tmp_path):
+    (tmp_path / "config.json").write_text('{"torch_dtype": "float32"}')
+    cfg = config.FlyingConfig()
+    out = fill_defaults(["--model-path", str(tmp_path)], cfg, on_cpu=True)
+    assert out[out.index("--dtype") + 1] == "float32"
+    assert "--max-total-tokens" in out
+    out = fill_defaults(
+        ["--model-path", str(tmp_path), "--dtype", "bfloat16", "--max-total-tokens=64"],
+        cfg,
+        on_cpu=True,
+    )
+    assert out.count("--dtype") == 1 and "--max-total-tokens" not in out
+    assert fill_defaults(["--model-path", str(tmp_path)], cfg, on_cpu=False) == [
+        "--model-path",
+        str(tmp_path),
+    ]
+
+
+def test_flag_reference_documented():
+    """docs/FLAGS.md lists every Flying flag with its default."""
+    from pathlib import Path
+
+    text = (Path(__file__).parents[2] / "docs" / "FLAGS.md").read_text()
+    for flag, default, _help in config.flag_reference():
+        assert flag in text, flag
+        assert default in text, (flag, default)
