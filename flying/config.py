@@ -36,6 +36,11 @@ class FlyingConfig:
     cache_dir: str = ""
     #: Threads per engine on the CPU platform; 0 splits the visible cores evenly.
     cpu_threads: int = 0
+    #: TP degrees the node may form: "auto" (every power of two up to the engine count
+    #: that divides the model's head counts), "none", or a comma list like "2,4".
+    tp_degrees: str = "auto"
+    #: Seconds a bind waits for all group members to reach a step boundary.
+    bind_timeout_s: float = 30.0
     #: Help texts, keyed by field name (not a setting).
     _help: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
 
@@ -46,7 +51,25 @@ class FlyingConfig:
             )
         if self.cpu_threads < 0:
             raise ConfigError(f"--flying-cpu-threads must be >= 0, got {self.cpu_threads}")
+        if self.bind_timeout_s <= 0:
+            raise ConfigError(f"--flying-bind-timeout-s must be > 0, got {self.bind_timeout_s}")
+        self.degree_list()
         return self
+
+    def degree_list(self) -> list[int] | None:
+        """Explicit degrees, [] for "none", None for "auto"."""
+        text = self.tp_degrees.strip().lower()
+        if text == "auto":
+            return None
+        if text in ("none", ""):
+            return []
+        try:
+            return sorted({int(x) for x in text.split(",")})
+        except ValueError:
+            raise ConfigError(
+                f"--flying-tp-degrees must be auto, none or a comma list of integers, "
+                f"got {self.tp_degrees!r}"
+            ) from None
 
     def to_json(self) -> str:
         data = asdict(self)
@@ -67,6 +90,8 @@ _HELP = {
     "platform": "Platform: auto (CPU platform when no CUDA device is visible), cpu, native.",
     "cache_dir": "Directory for the embedded demo checkpoint (default ~/.cache/flying).",
     "cpu_threads": "Threads per engine on the CPU platform (0: split visible cores evenly).",
+    "tp_degrees": "TP degrees to allow: auto, none, or a comma list such as 2,4.",
+    "bind_timeout_s": "Seconds a bind waits for all group members before it fails.",
 }
 
 
@@ -111,9 +136,11 @@ def flag_reference() -> list[tuple[str, str, str]]:
 _CONFIG: FlyingConfig | None = None
 
 
-def publish(config: FlyingConfig) -> None:
-    """Hand ``config`` to every process SGLang starts from here on."""
+def publish(config: FlyingConfig, replace: bool = False) -> None:
+    """Hand ``config`` to every process SGLang starts from here on (launcher only)."""
     global _CONFIG
+    if _CONFIG is not None and not replace and _CONFIG != config:
+        raise RuntimeError("Flying config already published with other values")
     os.environ[ENV_VAR] = config.to_json()
     _CONFIG = config
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -82,6 +83,58 @@ def fill_defaults(argv: list[str], cfg: flying_config.FlyingConfig, on_cpu: bool
     return argv
 
 
+def resolve_degrees(argv: list[str], cfg: flying_config.FlyingConfig) -> flying_config.FlyingConfig:
+    """Fix the TP degrees for this node from the model's head counts and the engine count."""
+    from dataclasses import replace
+
+    from flying.layout import allowed_degrees, validate_degrees
+
+    engines = int(
+        _flag_value(argv, "--dp-size") or _flag_value(argv, "--data-parallel-size") or 1
+    )
+    per_engine_tp = int(_flag_value(argv, "--tp-size") or _flag_value(argv, "--tensor-parallel-size") or 1)
+    requested = cfg.degree_list()
+    model_path = _flag_value(argv, "--model-path") or _flag_value(argv, "--model")
+    config_file = Path(model_path or "") / "config.json"
+    if engines < 2 or per_engine_tp != 1 or not config_file.is_file():
+        if requested:
+            raise flying_config.ConfigError(
+                f"--flying-tp-degrees {cfg.tp_degrees} needs --dp-size >= 2, --tp-size 1 "
+                "and a local checkpoint directory"
+            )
+        return replace(cfg, tp_degrees="none")
+    hf = json.loads(config_file.read_text())
+    heads = int(hf["num_attention_heads"])
+    kv_heads = int(hf.get("num_key_value_heads", heads))
+    try:
+        degrees = (
+            allowed_degrees(engines, kv_heads, heads)
+            if requested is None
+            else validate_degrees(requested, engines, kv_heads, heads)
+        )
+    except ValueError as exc:
+        raise flying_config.ConfigError(str(exc)) from None
+    return replace(cfg, tp_degrees=",".join(map(str, degrees)) or "none")
+
+
+def add_routes(num_engines: int) -> None:
+    """Flying's HTTP endpoints, on SGLang's own FastAPI app."""
+    from fastapi.responses import JSONResponse
+    from sglang.srt.entrypoints.http_server import app
+
+    from flying import status
+
+    async def flying_status():
+        doc = status.read_all(_STORE, num_engines) if _STORE is not None else {"engines": []}
+        doc["tp_degrees"] = flying_config.get_config().degree_list() or []
+        return JSONResponse(doc)
+
+    app.add_api_route("/flying/status", flying_status, methods=["GET"])
+
+
+_STORE = None
+
+
 def _gpu_count() -> int:
     import torch
 
@@ -130,11 +183,26 @@ def main(argv: list[str] | None = None) -> None:
     except VersionMismatch as exc:
         raise SystemExit(f"error: {exc}") from exc
 
-    # Publish before SGLang starts any process, so every process sees the same config.
-    flying_config.publish(cfg)
     from sglang_patches.platform import wants_cpu_platform
 
+    flying_config.publish(cfg)  # the platform choice below reads it
     sglang_argv = fill_defaults(sglang_argv, cfg, on_cpu=wants_cpu_platform())
+    try:
+        cfg = resolve_degrees(sglang_argv, cfg)
+    except flying_config.ConfigError as exc:
+        raise SystemExit(f"error: {exc}") from exc
+    # Publish before SGLang starts any process, so every process sees the same config.
+    flying_config.publish(cfg, replace=True)
+    global _STORE
+    from flying.comm_pool import STORE_ENV, host_store
+
+    _STORE, os.environ[STORE_ENV] = host_store()
+    logger.info("Flying TP degrees: %s", cfg.tp_degrees)
+    if cfg.degree_list() and not _has_flag(sglang_argv, "--disable-overlap-schedule"):
+        # TP sessions run SGLang's batch steps synchronously at a step boundary; the
+        # overlap loop would leave a DP batch's results pending across the session.
+        logger.info("Flying TP enabled: adding --disable-overlap-schedule")
+        sglang_argv.append("--disable-overlap-schedule")
 
     from sglang.srt.plugins import load_plugins
 
@@ -144,9 +212,8 @@ def main(argv: list[str] | None = None) -> None:
     from sglang.srt.utils import kill_process_tree
 
     server_args = prepare_server_args(sglang_argv)
+    add_routes(server_args.dp_size)
     print(_banner(server_args), flush=True)
-    import os
-
     try:
         run_server(server_args)
     finally:

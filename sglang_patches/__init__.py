@@ -57,6 +57,76 @@ PATCHES: tuple[Patch, ...] = (
         "sglang_patches.bootstrap:init_cpu_threads_env",
         "CPU platform: pin each engine to its cores without sgl_kernel",
     ),
+    # -- engines (sglang.srt.managers.scheduler) --
+    Patch(
+        "sglang.srt.managers.scheduler.Scheduler.__init__",
+        "after",
+        "sglang_patches.scheduler:init",
+        "give each engine its Flying state and communicator pool",
+    ),
+    Patch(
+        "sglang.srt.managers.scheduler.Scheduler.process_input_requests",
+        "around",
+        "sglang_patches.scheduler:process_input_requests",
+        "take Bind messages out of the engine's ordered input",
+    ),
+    Patch(
+        "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run",
+        "around",
+        "sglang_patches.scheduler:get_next_batch_to_run",
+        "step boundary: run pending TP sessions before the next DP batch",
+    ),
+    # -- global scheduler (sglang.srt.managers.data_parallel_controller) --
+    Patch(
+        "sglang.srt.managers.data_parallel_controller.DataParallelController.__init__",
+        "after",
+        "sglang_patches.data_parallel_controller:init",
+        "a bind issuer for the node's TP degrees",
+    ),
+    Patch(
+        "sglang.srt.managers.data_parallel_controller.DataParallelController.dispatching_with_trace",
+        "around",
+        "sglang_patches.data_parallel_controller:dispatching_with_trace",
+        "TP-marked requests become one Bind per group member, in one total order",
+    ),
+    # -- HTTP process (sglang.srt.managers.tokenizer_manager) --
+    Patch(
+        "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request",
+        "around",
+        "sglang_patches.tokenizer_manager:generate_request",
+        "read Flying's request headers on every endpoint",
+    ),
+    Patch(
+        "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request",
+        "around",
+        "sglang_patches.tokenizer_manager:validate_one_request",
+        "a TP-m request may use m engines' KV capacity",
+    ),
+    Patch(
+        "sglang.srt.managers.tokenizer_manager.TokenizerManager._handle_batch_output",
+        "around",
+        "sglang_patches.tokenizer_manager:handle_batch_output",
+        "meta_info['flying']: where the request ran",
+    ),
+    # -- device collectives (sglang.srt.distributed.parallel_state) --
+    Patch(
+        "sglang.srt.distributed.parallel_state.GroupCoordinator.all_reduce",
+        "around",
+        "sglang_patches.parallel_state:all_reduce",
+        "CPU platform: shared-memory all-reduce for groups on one host (gloo ~1 ms/call)",
+    ),
+    Patch(
+        "sglang.srt.distributed.parallel_state.GroupCoordinator.all_gather",
+        "around",
+        "sglang_patches.parallel_state:all_gather",
+        "CPU platform: shared-memory all-gather of sharded logits/embeddings",
+    ),
+    Patch(
+        "sglang.srt.distributed.parallel_state.GroupCoordinator.destroy",
+        "after",
+        "sglang_patches.parallel_state:destroy",
+        "CPU platform: unmap the group's shared-memory segment at teardown",
+    ),
 )
 
 

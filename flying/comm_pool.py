@@ -1,0 +1,168 @@
+"""Communicator Pool: the process groups of every allowed TP group, created at startup.
+
+Why not SGLang's WORLD (the design brief's first plan): each engine keeps SGLang's own
+one-engine world untouched (tp_size=1, so every SGLang collective stays a no-op), and
+Flying builds its groups beside it from a TCPStore that the launcher hosts. This avoids
+replacing ``_init_parallel_groups``, keeps the stock seed broadcast, memory baseline and
+rank-0 behaviours local to each engine, and means no WORLD-wide collective exists that a
+busy engine could hang. The price: Flying's TP layers reduce explicitly (see
+``weight_views``) instead of relying on SGLang's stage boundaries.
+
+Invariants:
+- Every engine creates the groups that contain it, for every degree in ascending order,
+  at startup; group creation is a rendezvous among the group's members only.
+- After startup, a collective on a group is entered only by a bound group's members,
+  after ``rendezvous()`` agreed on "go" for that bind (bounded by a timeout).
+- Decisions are made with the store's atomic ``compare_set``, so the members of a bind
+  always agree, even when one times out while another arrives.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import os
+import resource
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from flying.layout import Group, group_containing
+
+logger = logging.getLogger(__name__)
+
+STORE_ENV = "FLYING_STORE"  # "host:port" of the launcher's TCPStore
+COLLECTIVE_TIMEOUT = _dt.timedelta(seconds=120)
+
+
+def host_store() -> tuple[object, str]:
+    """Create the master TCPStore (in the launcher) and return (store, "host:port")."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    return store, f"127.0.0.1:{store.port}"
+
+
+def connect_store(address: str, timeout_s: float = 60.0):
+    host, port = address.rsplit(":", 1)
+    return dist.TCPStore(
+        host, int(port), is_master=False, timeout=_dt.timedelta(seconds=timeout_s)
+    )
+
+
+@dataclass
+class Member:
+    """One engine's handle on one group: its process group and its rank inside it."""
+
+    group: Group
+    tp_rank: int
+    pg: dist.ProcessGroup
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """In-place sum over the group. Result is bit-identical on every member."""
+        self.pg.allreduce([t]).wait()
+        return t
+
+    def broadcast(self, t: torch.Tensor, src_tp_rank: int = 0) -> torch.Tensor:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src_tp_rank
+        self.pg.broadcast([t], opts).wait()
+        return t
+
+
+@dataclass
+class CommPool:
+    """All groups this engine belongs to, keyed by degree (O(1) lookup)."""
+
+    dp_rank: int
+    num_engines: int
+    store: object
+    members: dict[int, Member] = field(default_factory=dict)
+    setup_s: float = 0.0
+    rss_delta_kb: int = 0
+
+    @classmethod
+    def create(
+        cls, address: str, dp_rank: int, num_engines: int, degrees: list[int], prefix: str
+    ) -> CommPool:
+        t0 = time.perf_counter()
+        rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        store = connect_store(address)
+        pool = cls(dp_rank=dp_rank, num_engines=num_engines, store=store)
+        for m in sorted(degrees):
+            group = group_containing(m, dp_rank)
+            sub = dist.PrefixStore(f"{prefix}/{group.name}", store)
+            pg = dist.ProcessGroupGloo(sub, group.tp_rank(dp_rank), m, COLLECTIVE_TIMEOUT)
+            member = Member(group, group.tp_rank(dp_rank), pg)
+            member.all_reduce(torch.ones(1))  # prewarm: connections are made here
+            pool.members[m] = member
+        pool.setup_s = time.perf_counter() - t0
+        pool.rss_delta_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0
+        logger.info(
+            "flying: engine %d communicator pool ready: degrees %s, %.1f ms, +%d KiB RSS",
+            dp_rank,
+            sorted(degrees),
+            pool.setup_s * 1e3,
+            pool.rss_delta_kb,
+        )
+        return pool
+
+    def member(self, degree: int) -> Member:
+        try:
+            return self.members[degree]
+        except KeyError:
+            raise ValueError(
+                f"TP degree {degree} is not in this node's pool {sorted(self.members)}"
+            ) from None
+
+    # -- bounded bind handshake ---------------------------------------------------
+
+    def rendezvous(self, bind_id: str, degree: int, ok: bool, timeout_s: float) -> str:
+        """Agree with the other members on "go" or "abort" for ``bind_id``.
+
+        Each member announces itself (and whether it can serve: ``ok``); the leader waits
+        up to ``timeout_s`` for all and decides; a non-leader that hears nothing within
+        ``2 * timeout_s`` decides "abort" itself. Both decide through ``compare_set`` on
+        one key, so exactly one decision wins and every member reads the same one.
+        Returns "go" or "abort:<reason>".
+        """
+        member = self.member(degree)
+        base = f"flying/bind/{bind_id}"
+        self.store.set(f"{base}/arrive/{member.tp_rank}", "ok" if ok else "no")
+        decision_key = f"{base}/decision"
+        if member.tp_rank == 0:
+            keys = [f"{base}/arrive/{r}" for r in range(degree)]
+            try:
+                self.store.wait(keys, _dt.timedelta(seconds=timeout_s))
+                votes = [self.store.get(k).decode() for k in keys]
+                want = "go" if all(v == "ok" for v in votes) else "abort:member lacks KV capacity"
+            except (RuntimeError, dist.DistStoreError):
+                want = f"abort:a member did not arrive within {timeout_s:g} s"
+            got = self.store.compare_set(decision_key, "", want).decode()
+        else:
+            try:
+                self.store.wait([decision_key], _dt.timedelta(seconds=2 * timeout_s))
+                got = self.store.get(decision_key).decode()
+            except (RuntimeError, dist.DistStoreError):
+                got = self.store.compare_set(
+                    decision_key, "", "abort:leader did not decide in time"
+                ).decode()
+        return got
+
+
+_POOL: CommPool | None = None
+
+
+def set_pool(pool: CommPool) -> None:
+    global _POOL
+    if _POOL is not None:
+        raise RuntimeError("communicator pool already set in this process")
+    _POOL = pool
+
+
+def get_pool() -> CommPool | None:
+    return _POOL
+
+
+def store_address() -> str | None:
+    return os.environ.get(STORE_ENV)

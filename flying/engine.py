@@ -1,0 +1,187 @@
+"""An engine's Flying side: pending binds, and running a bound TP session.
+
+A session runs synchronously at the engine's step boundary (before SGLang forms its next
+DP batch). While it runs, the engine's DP requests simply do not step: their KV stays
+where it is, and they resume afterwards with nothing recomputed (hard preemption). The
+session itself is SGLang's own machinery: the request goes through
+``handle_generate_request``, batches are formed by SGLang's ``get_next_batch_to_run``
+and run by ``run_batch`` / ``process_batch_result``, with the scheduler and model runner
+switched into TP mode by ``tp_scope.session_scope``.
+
+Lockstep: every member runs the identical request set with identical KV capacity, so
+SGLang's deterministic scheduling forms identical batches; each step the members check
+that with one tiny broadcast of the leader's batch signature. Only the leader streams
+outputs to the detokenizer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from flying.comm_pool import CommPool
+from flying.messages import Bind
+
+logger = logging.getLogger(__name__)
+
+#: How long the leader waits for the group's members to reach a step boundary.
+DEFAULT_BIND_TIMEOUT_S = 30.0
+#: Upper bound on steps in one session (a guard against a scheduling bug, not a limit).
+MAX_SESSION_STEPS = 1_000_000
+#: Consecutive steps without a batch after which a session is declared stuck.
+MAX_IDLE_STEPS = 50
+
+
+@dataclass
+class EngineCounters:
+    binds: int = 0
+    releases: int = 0
+    aborted_binds: int = 0
+    preempted_dp_requests: int = 0
+    last_switch_ms: dict[str, float] = field(default_factory=dict)
+
+
+class FlyingEngine:
+    def __init__(self, dp_rank: int, pool: CommPool | None, bind_timeout_s: float):
+        self.dp_rank = dp_rank
+        self.pool = pool
+        self.bind_timeout_s = bind_timeout_s
+        self.pending: deque[Bind] = deque()
+        self.counters = EngineCounters()
+        self.mode = "dp"
+        self.in_session = False
+
+    def on_bind(self, bind: Bind) -> None:
+        self.pending.append(bind)
+
+    def run_pending(self, scheduler, next_batch) -> None:
+        """Run every pending bind in arrival order (the controller's total order)."""
+        while self.pending:
+            self._run(scheduler, self.pending.popleft(), next_batch)
+
+    # -- one session ----------------------------------------------------------------
+
+    def _run(self, scheduler, bind: Bind, next_batch) -> None:
+        from flying import tp_scope
+
+        t0 = time.perf_counter()
+        degree = bind.degree
+        is_leader = self.dp_rank == bind.ranks[0]
+        need = len(bind.req.input_ids) + bind.req.sampling_params.max_new_tokens + 64
+        reservation = tp_scope.reserve_for(scheduler, need, degree)
+        decision = (
+            self.pool.rendezvous(bind.bind_id, degree, reservation is not None, self.bind_timeout_s)
+            if self.pool is not None
+            else "abort:no communicator pool"
+        )
+        t_rdv = time.perf_counter()
+        if decision != "go":
+            if reservation is not None:
+                tp_scope.release(scheduler, reservation)
+            self.counters.aborted_binds += 1
+            logger.warning("flying: bind %s aborted: %s", bind.bind_id, decision)
+            if is_leader:
+                tp_scope.reject(scheduler, bind.req, f"TP-{degree} bind failed: {decision[6:]}")
+            return
+        member = self.pool.member(degree)
+        paused = len(scheduler.running_batch.reqs) + len(scheduler.waiting_queue)
+        self.counters.binds += 1
+        self.counters.preempted_dp_requests += len(scheduler.running_batch.reqs)
+        self.mode, self.in_session = f"tp{degree}", True
+        try:
+            with tp_scope.session_scope(scheduler, member, reservation, is_leader):
+                t_scope = time.perf_counter()
+                logger.info(
+                    "flying: engine %d -> TP-%d group %s (bind %s, %d DP requests paused)",
+                    self.dp_rank, degree, list(bind.ranks), bind.bind_id, paused,
+                )
+                scheduler.handle_generate_request(bind.req)
+                self._steps(scheduler, member, next_batch)
+        finally:
+            tp_scope.release(scheduler, reservation)
+            self.mode, self.in_session = "dp", False
+        self.counters.releases += 1
+        t_end = time.perf_counter()
+        self.counters.last_switch_ms = {
+            "control_ms": max(0.0, (time.time() - bind.issued_at) * 1e3 - (t_end - t0) * 1e3),
+            "rendezvous_ms": (t_rdv - t0) * 1e3,
+            "scope_setup_ms": (t_scope - t_rdv) * 1e3,
+            "session_ms": (t_end - t_scope) * 1e3,
+        }
+        logger.info("flying: engine %d -> DP (bind %s released)", self.dp_rank, bind.bind_id)
+
+    def _steps(self, scheduler, member, next_batch) -> None:
+        """SGLang's own loop body (``event_loop_normal``) until the session is drained.
+
+        Ends only on an empty plan with nothing waiting or running: a finished prefill
+        batch is merged into the running batch by the *next* ``get_next_batch_to_run``.
+        """
+        idle = 0
+        for _ in range(MAX_SESSION_STEPS):
+            plan = next_batch(
+                scheduler, running_batch=scheduler.running_batch, last_batch=scheduler.last_batch
+            )
+            scheduler.running_batch = plan.running_batch
+            batch = plan.batch_to_run
+            _check_lockstep(member, batch)
+            scheduler.last_batch = batch
+            if batch is None:
+                if not scheduler.waiting_queue and scheduler.running_batch.is_empty():
+                    return
+                idle += 1
+                if idle >= MAX_IDLE_STEPS:
+                    raise RuntimeError(f"flying: TP session made no progress: {_describe(scheduler)}")
+                continue
+            idle = 0
+            result = scheduler.run_batch(batch)
+            scheduler.process_batch_result(batch, result)
+        raise RuntimeError("flying: TP session did not finish")
+
+
+def _describe(scheduler) -> str:
+    reqs = [
+        f"{r.rid[:8]} in={len(r.origin_input_ids)} finished={r.finished()}"
+        for r in scheduler.waiting_queue
+    ]
+    alloc = scheduler.token_to_kv_pool_allocator
+    return (
+        f"waiting={reqs} running={len(scheduler.running_batch.reqs)} "
+        f"free_tp_slots={alloc.available_size()} "
+        f"free_req_slots={scheduler.req_to_token_pool.available_size()}"
+    )
+
+
+def _signature(batch) -> torch.Tensor:
+    if batch is None:
+        return torch.zeros(3, dtype=torch.int64)
+    lens = sum(len(r.origin_input_ids) + len(r.output_ids) for r in batch.reqs)
+    return torch.tensor([len(batch.reqs), lens, int(batch.forward_mode.value) + 1])
+
+
+def _check_lockstep(member, batch) -> None:
+    """All members must run the same batch shape; compare with the leader's."""
+    mine = _signature(batch)
+    leader = member.broadcast(mine.clone(), 0)
+    if not torch.equal(mine, leader):
+        raise RuntimeError(
+            f"flying: TP group out of lockstep: leader batch {leader.tolist()}, "
+            f"member {member.tp_rank} batch {mine.tolist()}"
+        )
+
+
+_ENGINE: FlyingEngine | None = None
+
+
+def set_engine(engine: FlyingEngine) -> None:
+    global _ENGINE
+    if _ENGINE is not None:
+        raise RuntimeError("Flying engine state already set in this process")
+    _ENGINE = engine
+
+
+def get_engine() -> FlyingEngine | None:
+    return _ENGINE

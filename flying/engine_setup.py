@@ -1,0 +1,37 @@
+"""Wiring an SGLang scheduler to Flying: pool creation at startup, status publishing."""
+
+from __future__ import annotations
+
+import logging
+
+from flying import status
+from flying.comm_pool import CommPool, store_address
+from flying.config import get_config
+from flying.engine import FlyingEngine, set_engine
+
+logger = logging.getLogger(__name__)
+
+
+def attach(scheduler) -> None:
+    """Create this engine's Flying state; build its communicator pool if TP is enabled."""
+    from sglang.srt.runtime_context import get_parallel
+
+    cfg = get_config()
+    degrees = cfg.degree_list() or []
+    address = store_address()
+    if not degrees or address is None or get_parallel().tp_size != 1:
+        return
+    dp_rank = get_parallel().dp_rank or 0
+    num_engines = get_parallel().dp_size
+    prefix = address.replace(":", "_")
+    pool = CommPool.create(address, dp_rank, num_engines, degrees, prefix=prefix)
+    engine = FlyingEngine(dp_rank, pool, cfg.bind_timeout_s)
+    set_engine(engine)
+    status.publish(pool.store, dp_rank, engine)
+
+
+def run_pending(scheduler, engine: FlyingEngine, next_batch) -> None:
+    try:
+        engine.run_pending(scheduler, next_batch)
+    finally:
+        status.publish(engine.pool.store, engine.dp_rank, engine)

@@ -1,0 +1,437 @@
+"""A shared-memory all-reduce / all-gather for process groups whose members share a host.
+
+Why: on the CPU platform SGLang's device collectives go through gloo, which costs ~1 ms
+per call for a [1, 256] tensor on a 2-core machine (loopback TCP, several syscalls and
+wake-ups). A decode step of an 8-layer model makes 16 of them, so TP loses to one engine.
+SGLang's own CPU fix (``sgl_kernel.shm_allreduce``) needs a CPU build of sgl_kernel that
+is not on PyPI. This is the same idea in torch + numpy: one shared segment per group.
+
+Segment layout (one mmap of a /dev/shm file; the file is unlinked as soon as every member
+has mapped it, so nothing survives in /dev/shm after setup, whatever happens later)::
+
+    [header 64 B][rank lines W x 64 B][pad to 4 KiB][data: 2 parities x W slots x S bytes]
+
+A rank line holds that rank's published sequence number (int64), its pid and its pid
+namespace id; one cache line per rank, so publishing never shares a line with a peer.
+
+Protocol of call number ``s`` (1, 2, ...) on rank ``r``:
+
+1. copy the input's bytes into slot ``(s % 2, r)``;
+2. publish ``seq[r] = s``;
+3. wait until ``seq[j] >= s`` for every peer ``j`` (spin briefly, then yield, then sleep
+   with backoff, bounded by a timeout);
+4. read all W slots of parity ``s % 2``: sum them in rank order (in float32 for fp16/bf16)
+   or concatenate them (all-gather), into the caller's tensor.
+
+Invariant (why parity double-buffering is enough): rank ``r`` writes slot ``(p, r)`` again
+only at call ``s + 2``, after it waited at call ``s + 1`` for every peer to publish
+``s + 1``, and a peer publishes ``s + 1`` only after it finished reading call ``s``. So a
+slot is never overwritten while someone still reads it, and no second barrier is needed.
+A peer can be at most one call ahead, hence ``>=`` in step 3.
+
+Every rank adds the same W operands in the same order, so results are bit-identical on
+every member. Memory ordering: the data copy and the sequence store are separate C calls
+and x86-64 keeps stores (and loads) in program order (TSO); on other architectures the
+group falls back to gloo rather than rely on ordering we cannot fence from Python.
+
+Callers must issue collectives in the same order on every member, and decide "shm or
+fallback" from things that are equal on every member (dtype and byte size): both hold
+for SGLang's collectives, which all members issue with tensors of the same shape.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import mmap
+import os
+import platform
+import secrets
+import time
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+SHM_DIR = Path("/dev/shm")
+#: Every segment this module creates is named ``<PREFIX><creator pid>_<random>``.
+PREFIX = "flying_shm_ar_"
+_MAGIC = 0x464C59494E475348  # "FLYINGSH"
+_HEADER = 64
+_LINE = 64  # bytes per rank line (one cache line)
+_ALIGN = 4096
+_NAME_LEN = 64  # characters of a segment name carried through the setup all-reduce
+_VIEW_CACHE_MAX = 1024
+
+#: Dtypes the shared path sums; others (and all-gathers of any dtype) are fine for gather.
+REDUCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+ENV_ENABLE = "FLYING_SHM_ALLREDUCE"  # "0" disables the shared path (gloo everywhere)
+ENV_BYTES = "FLYING_SHM_ALLREDUCE_BYTES"  # slot size per rank
+ENV_TIMEOUT = "FLYING_SHM_ALLREDUCE_TIMEOUT_S"
+ENV_SPIN_US = "FLYING_SHM_ALLREDUCE_SPIN_US"
+DEFAULT_SLOT_BYTES = 4 << 20
+
+
+class ShmAllReduceError(RuntimeError):
+    """The shared-memory group cannot complete a collective (timeout, dead peer)."""
+
+
+def enabled() -> bool:
+    """Whether the shared path may be used at all (x86-64 only, not disabled by env)."""
+    return os.environ.get(ENV_ENABLE, "1") != "0" and platform.machine() in ("x86_64", "AMD64")
+
+
+@dataclass(frozen=True)
+class WaitPolicy:
+    """How a rank waits for its peers.
+
+    Spin for ``spin_s`` (peers on other cores arrive within microseconds), then
+    ``sched_yield`` until ``yield_s`` (lets a peer sharing this core run), then sleep with
+    exponential backoff up to ``max_sleep_s`` (a descheduled or busy peer costs no core),
+    and raise ``ShmAllReduceError`` after ``timeout_s``.
+    """
+
+    spin_s: float = 50e-6
+    yield_s: float = 2e-3
+    first_sleep_s: float = 20e-6
+    max_sleep_s: float = 1e-3
+    timeout_s: float = 600.0
+
+    @classmethod
+    def from_env(cls, **overrides: float) -> WaitPolicy:
+        kw: dict[str, float] = {}
+        if os.environ.get(ENV_TIMEOUT):
+            kw["timeout_s"] = float(os.environ[ENV_TIMEOUT])
+        if os.environ.get(ENV_SPIN_US):
+            kw["spin_s"] = float(os.environ[ENV_SPIN_US]) * 1e-6
+        kw.update(overrides)
+        return cls(**kw)
+
+
+def slot_bytes_from_env() -> int:
+    return int(os.environ.get(ENV_BYTES, DEFAULT_SLOT_BYTES))
+
+
+def _data_offset(world: int) -> int:
+    return -(-(_HEADER + world * _LINE) // _ALIGN) * _ALIGN
+
+
+def _pidns() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+# Segments this process created and has not unlinked yet (setup window only).
+_PENDING_UNLINK: set[Path] = set()
+
+
+@atexit.register
+def _unlink_pending() -> None:
+    for path in list(_PENDING_UNLINK):
+        path.unlink(missing_ok=True)
+        _PENDING_UNLINK.discard(path)
+
+
+def sweep_stale() -> list[str]:
+    """Remove segments whose creator process is gone (killed inside the setup window)."""
+    removed = []
+    for path in SHM_DIR.glob(PREFIX + "*"):
+        try:
+            pid = int(path.name[len(PREFIX) :].split("_", 1)[0])
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            path.unlink(missing_ok=True)
+            removed.append(path.name)
+        except (ValueError, PermissionError, OSError):
+            continue
+    return removed
+
+
+def _group_allreduce(pg: dist.ProcessGroup, t: torch.Tensor) -> torch.Tensor:
+    """Sum ``t`` over ``pg`` in place, with group-local semantics (no global ranks)."""
+    pg.allreduce([t]).wait()
+    return t
+
+
+def _release_mapping(mm: mmap.mmap) -> None:
+    try:
+        mm.close()
+    except BufferError:  # a view is still alive somewhere; freed at process exit
+        pass
+
+
+class ShmAllReduce:
+    """One rank's handle on its group's shared segment. Not thread-safe (one caller).
+
+    Build it with :meth:`create`, collectively on every member; ``None`` means "use the
+    fallback" and every member gets ``None`` together.
+    """
+
+    def __init__(
+        self,
+        mm: mmap.mmap,
+        rank: int,
+        world: int,
+        slot_bytes: int,
+        label: str,
+        policy: WaitPolicy,
+    ) -> None:
+        self.rank, self.world, self.slot_bytes = rank, world, slot_bytes
+        self.label, self.policy = label, policy
+        self._mm = mm
+        lines = np.frombuffer(mm, dtype=np.int64, count=world * _LINE // 8, offset=_HEADER)
+        self._lines = lines.reshape(world, _LINE // 8)  # [W, 8]: seq, pid, pidns, ...
+        self._seq_col = self._lines[:, 0]
+        self._peers = [j for j in range(world) if j != rank]
+        off = _data_offset(world)
+        data = torch.frombuffer(mm, dtype=torch.uint8, offset=off, count=2 * world * slot_bytes)
+        self._data = data.view(2, world, slot_bytes)  # [parity, rank, bytes]
+        self._views_cache: dict[tuple, list[torch.Tensor]] = {}
+        self._seq = int(self._lines[rank, 0])
+        self._pidns = _pidns()
+        self.broken: str | None = None
+        self.calls = 0
+        self._finalizer = weakref.finalize(self, _release_mapping, mm)
+
+    # -- setup ---------------------------------------------------------------------
+
+    @classmethod
+    def create(
+        cls,
+        pg: dist.ProcessGroup,
+        rank: int,
+        world: int,
+        *,
+        label: str = "group",
+        slot_bytes: int | None = None,
+        policy: WaitPolicy | None = None,
+    ) -> ShmAllReduce | None:
+        """Collectively set up the segment over ``pg`` (a gloo group of the members).
+
+        Rank 0 creates and sizes the file; its name reaches the others through one
+        all-reduce on ``pg``; they map it and vote; rank 0 unlinks it after the vote.
+        Returns ``None`` on every member when any member could not map it (not on one
+        host, /dev/shm full) or when the path is disabled. Costs three small gloo
+        all-reduces; call it at a point every member reaches in the same order.
+        """
+        slot_bytes = slot_bytes_from_env() if slot_bytes is None else int(slot_bytes)
+        slot_bytes = max(64, -(-slot_bytes // 64) * 64)
+        policy = policy or WaitPolicy.from_env()
+        if world < 2:
+            return None
+        want = torch.tensor([0 if enabled() else 1], dtype=torch.int64)
+        if int(_group_allreduce(pg, want)[0]) != 0:
+            logger.info("flying: %s uses gloo for all-reduce (shared memory disabled)", label)
+            return None
+        size = _data_offset(world) + 2 * world * slot_bytes
+        name, mm, reason = "", None, ""
+        if rank == 0:
+            sweep_stale()
+            name = f"{PREFIX}{os.getpid()}_{secrets.token_hex(8)}"
+            try:
+                mm = cls._create_file(SHM_DIR / name, size, world)
+            except OSError as exc:
+                reason, name = f"cannot create segment: {exc}", ""
+        codes = torch.zeros(_NAME_LEN, dtype=torch.int64)
+        if rank == 0 and name:
+            codes[: len(name)] = torch.tensor([ord(c) for c in name], dtype=torch.int64)
+        _group_allreduce(pg, codes)
+        name = "".join(chr(int(c)) for c in codes if int(c) != 0)
+        if name and rank != 0:
+            try:
+                mm = cls._attach_file(SHM_DIR / name, size, world)
+            except (OSError, ValueError) as exc:
+                reason = f"cannot map {name}: {exc} (members not on one host?)"
+        if mm is not None:
+            line = np.frombuffer(mm, dtype=np.int64, count=_LINE // 8, offset=_HEADER + rank * _LINE)
+            line[1], line[2] = os.getpid(), _pidns()
+            del line
+        ok = torch.tensor([1 if mm is not None else 0], dtype=torch.int64)
+        _group_allreduce(pg, ok)
+        if rank == 0 and name:
+            (SHM_DIR / name).unlink(missing_ok=True)
+            _PENDING_UNLINK.discard(SHM_DIR / name)
+        if int(ok[0]) != world:
+            if mm is not None:
+                _release_mapping(mm)
+            why = reason or "a member could not map the segment (members not on one host?)"
+            logger.info("flying: %s uses gloo for all-reduce (%s)", label, why)
+            return None
+        comm = cls(mm, rank, world, slot_bytes, label, policy)
+        logger.info(
+            "flying: %s uses shared-memory all-reduce (%d ranks, %d KiB per slot, "
+            "gloo above that)",
+            label,
+            world,
+            slot_bytes >> 10,
+        )
+        return comm
+
+    @staticmethod
+    def _create_file(path: Path, size: int, world: int) -> mmap.mmap:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        _PENDING_UNLINK.add(path)
+        try:
+            os.posix_fallocate(fd, 0, size)  # ENOSPC here, not SIGBUS on first write
+            mm = mmap.mmap(fd, size)
+        except OSError:
+            path.unlink(missing_ok=True)
+            _PENDING_UNLINK.discard(path)
+            raise
+        finally:
+            os.close(fd)
+        header = np.frombuffer(mm, dtype=np.int64, count=4)
+        header[:] = (_MAGIC, world, size, 0)
+        del header
+        return mm
+
+    @staticmethod
+    def _attach_file(path: Path, size: int, world: int) -> mmap.mmap:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            if os.fstat(fd).st_size != size:
+                raise ValueError(f"size {os.fstat(fd).st_size} != {size}")
+            mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        header = np.frombuffer(mm, dtype=np.int64, count=4)
+        good = tuple(int(x) for x in header[:3]) == (_MAGIC, world, size)
+        del header
+        if not good:
+            _release_mapping(mm)
+            raise ValueError("header mismatch")
+        return mm
+
+    # -- collectives ---------------------------------------------------------------
+
+    def fits(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` can use the shared path (decided identically on every member)."""
+        return t.numel() * t.element_size() <= self.slot_bytes
+
+    def can_reduce(self, t: torch.Tensor) -> bool:
+        return t.dtype in REDUCE_DTYPES and self.fits(t)
+
+    def _views(self, parity: int, t: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's slot of ``parity`` as a contiguous tensor shaped like ``t``.
+
+        Cached per (parity, dtype, shape): torch indexing costs microseconds per call,
+        which is the whole budget of a small all-reduce.
+        """
+        key = (parity, t.dtype, t.shape)
+        views = self._views_cache.get(key)
+        if views is None:
+            if len(self._views_cache) >= _VIEW_CACHE_MAX:
+                self._views_cache.clear()
+            typed = self._data.view(t.dtype)  # [2, W, S / itemsize]
+            n = t.numel()
+            views = [typed[parity, j, :n].view(t.shape) for j in range(self.world)]
+            self._views_cache[key] = views
+        return views
+
+    def _exchange(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Steps 1-3 of the protocol; returns the W slots to read (rank order)."""
+        if self.broken is not None:
+            raise ShmAllReduceError(f"flying: {self.label}: group is unusable: {self.broken}")
+        seq = self._seq + 1
+        views = self._views(seq & 1, t)
+        views[self.rank].copy_(t)
+        self._seq_col[self.rank] = seq  # publish (after the copy: x86 store order)
+        self._seq = seq
+        col = self._seq_col
+        for j in self._peers:
+            if col[j] < seq:
+                self._wait(j, seq)
+        self.calls += 1
+        return views
+
+    def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum ``t`` (any shape, fp32/bf16/fp16) over the group, in place; returns ``t``.
+
+        Operands are added in rank order, 16-bit ones accumulated in float32 (for two
+        ranks one 16-bit add is exactly that: torch computes it in float32 and rounds
+        once), so every member gets bit-identical results.
+        """
+        v = self._exchange(t)
+        if self.world == 2 or t.dtype == torch.float32:
+            torch.add(v[0], v[1], out=t)
+            for j in range(2, self.world):
+                t.add_(v[j])
+        else:
+            acc = v[0].float()
+            for j in range(1, self.world):
+                acc.add_(v[j])
+            t.copy_(acc)
+        return t
+
+    def all_gather(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Concatenate every member's ``t`` along ``dim``, in rank order (a new tensor).
+
+        Shapes: ``t`` is [..., n, ...] on every member -> [..., W * n, ...].
+        """
+        return torch.cat(self._exchange(t), dim=dim)
+
+    # -- waiting -------------------------------------------------------------------
+
+    def _wait(self, peer: int, seq: int) -> None:
+        col, p = self._seq_col, self.policy
+        start = time.perf_counter()
+        spins = 0
+        while col[peer] < seq:  # spin: no syscalls, a clock read every 64 polls
+            spins += 1
+            if spins & 63 == 0 and time.perf_counter() - start > p.spin_s:
+                break
+        else:
+            return
+        sleep = p.first_sleep_s
+        next_liveness = start + 0.5
+        while col[peer] < seq:
+            now = time.perf_counter()
+            if now - start < p.yield_s:
+                os.sched_yield()
+                continue
+            if now - start > p.timeout_s:
+                self._fail(peer, seq, f"timed out after {now - start:.2f} s")
+            if now >= next_liveness:
+                next_liveness = now + 0.5
+                if not self._peer_alive(peer):
+                    self._fail(peer, seq, f"its process (pid {int(self._lines[peer, 1])}) exited")
+            time.sleep(sleep)
+            sleep = min(2 * sleep, p.max_sleep_s)
+
+    def _peer_alive(self, peer: int) -> bool:
+        """False only when we can tell that the peer's process is gone (same pid ns)."""
+        pid, ns = int(self._lines[peer, 1]), int(self._lines[peer, 2])
+        if pid <= 0 or ns != self._pidns:
+            return True
+        try:  # a zombie (exited, not yet reaped) still answers kill(pid, 0)
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            return stat[stat.rindex(")") + 2] not in "ZX"
+        except FileNotFoundError:
+            return False
+        except (OSError, ValueError, IndexError):
+            return True
+
+    def _fail(self, peer: int, seq: int, why: str) -> None:
+        self.broken = (
+            f"rank {peer} of {self.world} did not reach collective #{seq} ({why}); "
+            "every member must issue the same collectives in the same order"
+        )
+        raise ShmAllReduceError(f"flying: {self.label}: {self.broken}")
+
+    # -- teardown ------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Drop the mapping (the file was unlinked at setup). Idempotent."""
+        self.broken = self.broken or "closed"
+        self._views_cache.clear()
+        self._data = None  # type: ignore[assignment]
+        self._lines = self._seq_col = None  # type: ignore[assignment]
+        self._finalizer()

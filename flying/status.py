@@ -1,0 +1,40 @@
+"""Per-engine status published through the launcher's TCPStore, read by /flying/status.
+
+Engines write a small JSON document under ``flying/status/<rank>`` at startup and at
+every bind and release; the HTTP process (which hosts the store) reads them. No extra
+socket, and a read never waits on a busy engine.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+
+
+def publish(store, dp_rank: int, engine) -> None:
+    doc = {
+        "rank": dp_rank,
+        "mode": engine.mode,
+        "degrees": sorted(engine.pool.members) if engine.pool else [],
+        "pending_binds": len(engine.pending),
+        **asdict(engine.counters),
+    }
+    store.set(f"flying/status/{dp_rank}", json.dumps(doc))
+
+
+def read_all(store, num_engines: int) -> dict:
+    engines = []
+    for r in range(num_engines):
+        try:
+            if store.check([f"flying/status/{r}"]):
+                engines.append(json.loads(store.get(f"flying/status/{r}")))
+                continue
+        except RuntimeError:
+            pass
+        engines.append({"rank": r, "mode": "unknown"})
+    groups = sorted({e["mode"] for e in engines if str(e.get("mode", "")).startswith("tp")})
+    totals = {
+        k: sum(e.get(k, 0) for e in engines)
+        for k in ("binds", "releases", "aborted_binds", "preempted_dp_requests")
+    }
+    return {"engines": engines, "bound_modes": groups, "totals": totals}

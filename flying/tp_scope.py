@@ -1,0 +1,168 @@
+"""The mode scope: switch one engine's SGLang scheduler and model runner into TP mode.
+
+``session_scope`` swaps, and restores in ``finally``:
+- model layers -> TP shard views (``weight_views.tp_layers``), reductions on the group;
+- model runner: KV pool -> TP view of the same memory, allocator -> the reserved
+  sub-slots, attention backend -> an instance bound to the TP view;
+- scheduler: allocator and a disabled prefix cache for TP requests (they never enter
+  the DP radix tree: different index space, partial heads), its DP queues and running
+  batch (stashed, untouched: hard preemption keeps their KV), capacity limits;
+- outputs: non-leaders stream nothing (the leader answers for the group).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+
+from flying import kv_adaptor
+from flying.weight_views import build_shards, tp_layers
+
+
+class _NullSender:
+    """Stands in for the detokenizer socket on non-leader members."""
+
+    def send_output(self, *args, **kwargs) -> None:
+        return None
+
+
+def _runner(scheduler):
+    return scheduler.tp_worker.model_runner
+
+
+def reserve_for(scheduler, tokens: int, degree: int):
+    return kv_adaptor.reserve(scheduler.token_to_kv_pool_allocator, tokens, degree)
+
+
+def release(scheduler, reservation) -> None:
+    if reservation is not None:
+        kv_adaptor.release(scheduler.token_to_kv_pool_allocator, reservation)
+
+
+def reject(scheduler, req, message: str) -> None:
+    """Answer a TP request that could not be bound with an explicit error."""
+    scheduler.handle_generate_request(req)
+    for r in scheduler.waiting_queue:
+        if r.rid == req.rid and not r.finished():
+            r.set_finish_with_abort(message)
+
+
+def _disabled_cache(scheduler, allocator):
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.unified_cache.components import ComponentType
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    params = CacheInitParams(
+        disable=True,
+        req_to_token_pool=scheduler.req_to_token_pool,
+        token_to_kv_pool_allocator=allocator,
+        page_size=1,
+    )
+    params.tree_components = (ComponentType.FULL,)
+    return UnifiedRadixCache(params)
+
+
+def _set(obj: object, name: str, value: object) -> None:
+    try:
+        setattr(obj, name, value)
+    except dataclasses.FrozenInstanceError:  # SGLang components that are frozen dataclasses
+        object.__setattr__(obj, name, value)
+
+
+@contextlib.contextmanager
+def _swap(pairs: list[tuple[object, str, object]]) -> Iterator[None]:
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in pairs]
+    try:
+        for obj, name, value in pairs:
+            _set(obj, name, value)
+        yield
+    finally:
+        for obj, name, old in reversed(saved):
+            _set(obj, name, old)
+
+
+_SHARDS: dict[tuple[int, int], object] = {}
+_POOLS: dict[int, object] = {}
+
+
+def shards_for(model, degree: int, rank: int):
+    """The (degree, rank) view table; views are built once and reused."""
+    key = (degree, rank)
+    if key not in _SHARDS:
+        _SHARDS[key] = build_shards(model, degree, rank)
+    return _SHARDS[key]
+
+
+def tp_pool_for(pool, degree: int):
+    if degree not in _POOLS:
+        _POOLS[degree] = kv_adaptor.view_pool(pool, degree)
+    return _POOLS[degree]
+
+
+def _references(root, targets: dict[int, object]) -> list[tuple[object, str, object]]:
+    """(holder, attribute, replacement) for every attribute of ``root`` and of its direct
+    components that refers to one of ``targets`` (keyed by ``id`` of the object to
+    replace). SGLang hands the tree cache and allocator to several scheduler components
+    at construction (result processor, output streamer, policy, ...); a TP session must
+    swap every one of them, and listing them by hand would break silently on upgrades.
+    """
+    found: list[tuple[object, str, object]] = []
+    holders = [root]
+    for value in _attrs(root).values():
+        module = type(value).__module__ or ""
+        if module.startswith("sglang.") and value is not root:
+            holders.append(value)
+    seen: set[int] = set()
+    for holder in holders:
+        if id(holder) in seen:
+            continue
+        seen.add(id(holder))
+        for name, value in _attrs(holder).items():
+            if id(value) in targets:
+                found.append((holder, name, targets[id(value)]))
+    return found
+
+
+def _attrs(obj) -> dict[str, object]:
+    out = dict(getattr(obj, "__dict__", {}))
+    for cls in type(obj).__mro__:
+        for name in getattr(cls, "__slots__", ()):
+            if hasattr(obj, name):
+                out[name] = getattr(obj, name)
+    return out
+
+
+@contextlib.contextmanager
+def session_scope(scheduler, member, reservation, is_leader: bool) -> Iterator[None]:
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+
+    runner = _runner(scheduler)
+    degree = member.group.degree
+    shards = shards_for(runner.model, degree, member.tp_rank)
+    tp_pool = tp_pool_for(runner.token_to_kv_pool, degree)
+    allocator = kv_adaptor.make_tp_allocator(scheduler.token_to_kv_pool_allocator, tp_pool, reservation)
+    cache = _disabled_cache(scheduler, allocator)
+    capacity = int(reservation.tp_slots.numel())
+    streamer = scheduler.output_streamer
+    swaps = _references(
+        scheduler,
+        {id(scheduler.tree_cache): cache, id(scheduler.token_to_kv_pool_allocator): allocator},
+    )
+    swaps += [
+        (runner, "token_to_kv_pool", tp_pool),
+        (runner, "token_to_kv_pool_allocator", allocator),
+        (scheduler, "waiting_queue", []),
+        (scheduler, "running_batch", ScheduleBatch(reqs=[], batch_is_full=False)),
+        (scheduler, "last_batch", None),
+        (scheduler, "chunked_req", None),
+        (scheduler, "max_total_num_tokens", capacity),
+        (scheduler, "max_req_input_len", capacity - 1),
+    ]
+    if not is_leader:
+        swaps.append((streamer, "send_to_detokenizer", _NullSender()))
+    with _swap(swaps):
+        # The backend reads the pool at construction, so it is built inside the swap.
+        with _swap([(runner, "attn_backend", type(runner.attn_backend)(runner))]):
+            with tp_layers(shards, member.all_reduce):
+                yield

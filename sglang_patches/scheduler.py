@@ -1,0 +1,35 @@
+"""Hooks on ``sglang.srt.managers.scheduler.Scheduler`` (the engine process).
+
+- ``__init__`` (after): give the engine its Flying state and communicator pool.
+- ``process_input_requests`` (around): take Flying's Bind messages out of the input
+  batch (they arrive on the same socket as requests, so they are ordered with them).
+- ``get_next_batch_to_run`` (around): the step boundary; run pending TP sessions first.
+"""
+
+from __future__ import annotations
+
+from flying import engine_setup
+from flying.engine import get_engine
+from flying.messages import Bind
+
+
+def init(result, scheduler, *args, **kwargs):
+    engine_setup.attach(scheduler)
+
+
+def process_input_requests(original, scheduler, recv_reqs):
+    engine = get_engine()
+    if engine is not None:
+        binds = [r for r in recv_reqs if isinstance(r, Bind)]
+        if binds:
+            for bind in binds:
+                engine.on_bind(bind)
+            recv_reqs = [r for r in recv_reqs if not isinstance(r, Bind)]
+    return original(scheduler, recv_reqs)
+
+
+def get_next_batch_to_run(original, scheduler, *args, **kwargs):
+    engine = get_engine()
+    if engine is not None and engine.pending and not engine.in_session:
+        engine_setup.run_pending(scheduler, engine, original)
+    return original(scheduler, *args, **kwargs)

@@ -1,0 +1,42 @@
+"""Hooks on ``sglang.srt.managers.tokenizer_manager.TokenizerManager`` (HTTP process).
+
+- ``generate_request`` (around): read Flying's request headers (every endpoint —
+  /generate and the OpenAI ones — passes through here with its raw request).
+- ``_validate_one_request`` (around): a TP-m request may use m engines' KV capacity.
+- ``_handle_batch_output`` (around): add ``meta_info["flying"]`` (where it ran).
+"""
+
+from __future__ import annotations
+
+from flying.request_tags import degree_of, placement, tag_request
+
+
+async def generate_request(original, manager, obj, request=None):
+    tag_request(obj, getattr(request, "headers", None))
+    async for out in original(manager, obj, request):
+        yield out
+
+
+def validate_one_request(original, manager, obj, input_ids):
+    degree = degree_of(obj)
+    if degree <= 1 or manager.max_req_input_len is None:
+        return original(manager, obj, input_ids)
+    single = manager.max_req_input_len
+    manager.max_req_input_len = (single + 1) * degree - 1
+    try:
+        return original(manager, obj, input_ids)
+    finally:
+        manager.max_req_input_len = single
+
+
+async def handle_batch_output(original, manager, recv_obj):
+    states = [manager.rid_to_state.get(rid) for rid in recv_obj.rids]
+    await original(manager, recv_obj)
+    for state in states:
+        if state is None or not state.out_list:
+            continue
+        meta = state.out_list[-1].get("meta_info")
+        if isinstance(meta, dict) and "flying" not in meta:
+            info = placement(degree_of(state.obj), meta.get("dp_rank"))
+            if info is not None:
+                meta["flying"] = info
