@@ -32,6 +32,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_BIND_TIMEOUT_S = 30.0
 #: Upper bound on steps in one session (a guard against a scheduling bug, not a limit).
 MAX_SESSION_STEPS = 1_000_000
+#: Tokens reserved beyond prompt + max_new_tokens: SGLang's admission keeps one page
+#: per request and one slot of headroom (strict ``<``) free.
+ADMISSION_SLACK = 4
 #: Consecutive steps without a batch after which a session is declared stuck.
 MAX_IDLE_STEPS = 50
 
@@ -71,7 +74,7 @@ class FlyingEngine:
         t0 = time.perf_counter()
         degree = bind.degree
         is_leader = self.dp_rank == bind.ranks[0]
-        need = len(bind.req.input_ids) + bind.req.sampling_params.max_new_tokens + 64
+        need = len(bind.req.input_ids) + bind.req.sampling_params.max_new_tokens + ADMISSION_SLACK
         reservation = tp_scope.reserve_for(scheduler, need, degree)
         decision = (
             self.pool.rendezvous(bind.bind_id, degree, reservation is not None, self.bind_timeout_s)

@@ -27,11 +27,11 @@ def attach(scheduler) -> None:
     pool = CommPool.create(address, dp_rank, num_engines, degrees, prefix=prefix)
     engine = FlyingEngine(dp_rank, pool, cfg.bind_timeout_s)
     set_engine(engine)
-    status.publish(pool.store, dp_rank, engine)
+    status.publish(pool.store, dp_rank, engine, scheduler)
 
 
 def run_pending(scheduler, engine: FlyingEngine, next_batch) -> None:
     try:
         engine.run_pending(scheduler, next_batch)
     finally:
-        status.publish(engine.pool.store, engine.dp_rank, engine)
+        status.publish(engine.pool.store, engine.dp_rank, engine, scheduler)

@@ -11,15 +11,23 @@ import json
 from dataclasses import asdict
 
 
-def publish(store, dp_rank: int, engine) -> None:
+def publish(store, dp_rank: int, engine, scheduler=None) -> None:
     doc = {
         "rank": dp_rank,
         "mode": engine.mode,
+        **(_kv_slots(scheduler) if scheduler is not None else {}),
         "degrees": sorted(engine.pool.members) if engine.pool else [],
         "pending_binds": len(engine.pending),
         **asdict(engine.counters),
     }
     store.set(f"flying/status/{dp_rank}", json.dumps(doc))
+
+
+def _kv_slots(scheduler) -> dict:
+    """Free KV slots (free + evictable cached prefixes) and the pool size."""
+    free = scheduler.token_to_kv_pool_allocator.available_size()
+    free += scheduler.tree_cache.evictable_size()
+    return {"free_kv_slots": int(free), "total_kv_slots": int(scheduler.max_total_num_tokens)}
 
 
 def read_all(store, num_engines: int) -> dict:

@@ -32,7 +32,15 @@ def _runner(scheduler):
 
 
 def reserve_for(scheduler, tokens: int, degree: int):
-    return kv_adaptor.reserve(scheduler.token_to_kv_pool_allocator, tokens, degree)
+    """Reserve DP slots for a TP session, evicting cached DP prefixes if needed."""
+    allocator = scheduler.token_to_kv_pool_allocator
+    slots = -(-tokens // degree)
+    short = slots - allocator.available_size()
+    if short > 0:
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+        scheduler.tree_cache.evict(EvictParams(num_tokens=short))
+    return kv_adaptor.reserve(allocator, tokens, degree)
 
 
 def release(scheduler, reservation) -> None:
