@@ -41,6 +41,14 @@ class FlyingConfig:
     tp_degrees: str = "auto"
     #: Seconds a bind waits for all group members to reach a step boundary.
     bind_timeout_s: float = 30.0
+    #: Global scheduler policy: adaptive, static-dp, static-tp or manual.
+    policy: str = "adaptive"
+    #: Requests with priority >= this run in the largest TP group (hard preemption).
+    priority_threshold: int = 1
+    #: Adaptive policy: enter TP below this many requests per engine...
+    light_load: float = 0.5
+    #: ...and go back to DP above this many.
+    heavy_load: float = 1.5
     #: Help texts, keyed by field name (not a setting).
     _help: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
 
@@ -54,6 +62,15 @@ class FlyingConfig:
         if self.bind_timeout_s <= 0:
             raise ConfigError(f"--flying-bind-timeout-s must be > 0, got {self.bind_timeout_s}")
         self.degree_list()
+        from scheduler.policy import POLICIES
+
+        if self.policy not in POLICIES:
+            raise ConfigError(f"--flying-policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if not 0 <= self.light_load <= self.heavy_load:
+            raise ConfigError(
+                "--flying-light-load and --flying-heavy-load need 0 <= light <= heavy, got "
+                f"{self.light_load} and {self.heavy_load}"
+            )
         return self
 
     def degree_list(self) -> list[int] | None:
@@ -92,7 +109,14 @@ _HELP = {
     "cpu_threads": "Threads per engine on the CPU platform (0: split visible cores evenly).",
     "tp_degrees": "TP degrees to allow: auto, none, or a comma list such as 2,4.",
     "bind_timeout_s": "Seconds a bind waits for all group members before it fails.",
+    "policy": "Scheduler policy: adaptive, static-dp, static-tp, or manual (headers only).",
+    "priority_threshold": "Priority at or above which a request runs in the largest TP group.",
+    "light_load": "Adaptive policy: requests per engine below which engines group into TP.",
+    "heavy_load": "Adaptive policy: requests per engine above which engines return to DP.",
 }
+
+
+_CHOICES = {"platform": PLATFORMS, "policy": ("adaptive", "static-dp", "static-tp", "manual")}
 
 
 def _flag(name: str) -> str:
@@ -110,7 +134,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
             dest="flying_" + f.name,
             type=type(f.default),
             default=f.default,
-            choices=PLATFORMS if f.name == "platform" else None,
+            choices=_CHOICES.get(f.name),
             help=_HELP[f.name],
         )
 

@@ -8,11 +8,15 @@ engine receives its binds in the order they were issued and runs them in that or
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 import uuid
 
+from flying.config import get_config
 from flying.layout import Group, groups_of
 from flying.messages import Bind, unmark
+
+logger = logging.getLogger(__name__)
 
 
 class BindIssuer:
@@ -42,3 +46,57 @@ class BindIssuer:
         )
         self.issued += 1
         return [(rank, bind) for rank in group.ranks]
+
+
+def attach(controller) -> None:
+    degrees = get_config().degree_list() or []
+    controller._flying_issuer = (
+        BindIssuer(controller.server_args.dp_size, degrees) if degrees else None
+    )
+    controller._flying_policy = None
+
+
+def _policy(controller):
+    if controller._flying_policy is None and getattr(controller, "max_req_input_len", None):
+        from flying.placement import make_policy
+
+        controller._flying_policy = make_policy(
+            controller.server_args.dp_size, controller.max_req_input_len + 1
+        )
+    return controller._flying_policy
+
+
+def binds_for(controller, req) -> list[tuple[int, Bind]]:
+    """The binds that carry ``req`` in a TP group, or [] to dispatch it as DP."""
+    issuer = getattr(controller, "_flying_issuer", None)
+    if issuer is None:
+        return []
+    from sglang.srt.managers.utils import is_health_check_generate_req
+
+    if is_health_check_generate_req(req):
+        return []
+    degree, _ = unmark(getattr(req, "routing_key", None))
+    if not degree and get_config().policy == "adaptive":
+        degree = _adaptive_degree(controller, req)
+    return issuer.make_binds(req, degree) if degree else []
+
+
+def _adaptive_degree(controller, req) -> int:
+    policy = _policy(controller)
+    if policy is None or not hasattr(req, "sampling_params"):
+        return 0
+    from flying.placement import loads_of, request_of
+
+    loads = loads_of(controller.load_snapshot_reader.read_all())
+    was_light = policy.light
+    decision = policy.decide(
+        request_of(len(req.input_ids or ()), req.sampling_params, req.priority, 0), loads
+    )
+    if policy.light != was_light:
+        logger.info(
+            "flying: adaptive policy -> %s (%d requests on %d engines)",
+            "TP (light load)" if policy.light else "DP (heavy load)",
+            sum(e.requests for e in loads),
+            len(loads),
+        )
+    return decision.degree if decision.mode == "tp" else 0

@@ -11,12 +11,18 @@ from flying.config import get_config
 from flying.messages import mark, unmark
 
 TP_HEADER = "x-flying-tp"
+PRIORITY_HEADER = "x-priority"
 
 
 def tag_request(obj, headers) -> None:
-    """Mark ``obj`` (a GenerateReqInput) for TP if the request asks for it."""
+    """Apply Flying's headers to ``obj`` (a GenerateReqInput): priority and explicit TP."""
     if headers is None:
         return
+    priority = headers.get(PRIORITY_HEADER)
+    if priority is not None:
+        from scheduler.policy import parse_priority
+
+        obj.priority = parse_priority(priority)
     value = headers.get(TP_HEADER)
     if value is None:
         return
@@ -33,6 +39,37 @@ def tag_request(obj, headers) -> None:
             f"(allowed: {allowed or 'none; start with --dp-size >= 2'})"
         )
     obj.routing_key = mark(getattr(obj, "routing_key", None), degree)
+
+
+def place(obj, input_ids, manager) -> None:
+    """Decide TP/DP for requests without an explicit degree (priority, long context,
+    static-tp); reject what not even the whole node can hold (a ValueError: HTTP 400)."""
+    from flying.placement import request_of
+
+    degrees = get_config().degree_list() or []
+    if manager.max_req_input_len is None:
+        return
+    policy = _policy(manager)
+    req = request_of(len(input_ids), obj.sampling_params, obj.priority, degree_of(obj))
+    decision = policy.decide(req, loads=None)
+    if decision.mode == "reject":
+        raise ValueError(decision.reason)
+    if decision.mode == "tp" and not req.explicit_degree and degrees:
+        obj.routing_key = mark(getattr(obj, "routing_key", None), decision.degree)
+
+
+_POLICY = None
+
+
+def _policy(manager):
+    """The HTTP process's policy instance (its load decisions are the controller's)."""
+    global _POLICY
+    if _POLICY is None:
+        from flying.placement import make_policy
+
+        engines = max(get_config().degree_list() or [1])
+        _POLICY = make_policy(engines, manager.max_req_input_len + 1)
+    return _POLICY
 
 
 def degree_of(obj) -> int:

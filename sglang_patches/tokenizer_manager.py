@@ -2,13 +2,14 @@
 
 - ``generate_request`` (around): read Flying's request headers (every endpoint —
   /generate and the OpenAI ones — passes through here with its raw request).
-- ``_validate_one_request`` (around): a TP-m request may use m engines' KV capacity.
+- ``_validate_one_request`` (around): the policy's per-request placement (priority,
+  long context; too long for the node -> 400), and a TP-m request may use m engines' KV.
 - ``_handle_batch_output`` (around): add ``meta_info["flying"]`` (where it ran).
 """
 
 from __future__ import annotations
 
-from flying.request_tags import degree_of, placement, tag_request
+from flying.request_tags import degree_of, place, placement, tag_request
 
 
 async def generate_request(original, manager, obj, request=None):
@@ -18,6 +19,8 @@ async def generate_request(original, manager, obj, request=None):
 
 
 def validate_one_request(original, manager, obj, input_ids):
+    if getattr(obj, "sampling_params", None) is not None:  # generation, not embedding
+        place(obj, input_ids, manager)
     degree = degree_of(obj)
     if degree <= 1 or manager.max_req_input_len is None:
         return original(manager, obj, input_ids)

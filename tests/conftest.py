@@ -21,11 +21,14 @@ def demo_model_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def dp2_server(demo_model_dir: Path, tmp_path_factory) -> Server:
-    """The demo model on 2 engines (DP), started through ``python -m flying.launch``."""
+    """The demo model on 2 engines, started through ``python -m flying.launch``."""
     log = tmp_path_factory.mktemp("dp2") / "server.log"
     server = Server(
         ["--model-path", str(demo_model_dir), "--dp-size", "2",
-         "--max-total-tokens", str(MAX_TOTAL_TOKENS)],
+         "--max-total-tokens", str(MAX_TOTAL_TOKENS),
+         # normal requests stay DP (deterministic routing for the tests); priority and
+         # long-context requests still switch to TP
+         "--flying-policy", "static-dp"],
         log,
     )
     try:

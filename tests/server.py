@@ -61,7 +61,8 @@ class Server:
         return self.log_path.read_text(errors="replace")
 
     def log_tail(self, n: int = 60) -> str:
-        return "\n".join(self.log().splitlines()[-n:])
+        lines = [ln for ln in self.log().splitlines() if "server_args=" not in ln]
+        return "\n".join(lines[-n:])
 
     def stop(self) -> None:
         if self.proc.poll() is None:

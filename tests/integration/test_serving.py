@@ -61,12 +61,14 @@ def test_greedy_equals_transformers_on_both_engines(dp2_server, demo_model_dir):
 
 
 def test_too_long_prompt_is_http_400_and_server_keeps_serving(dp2_server):
-    too_long = prompts(1, MAX_TOTAL_TOKENS + 100, seed=2)[0]
+    """Beyond the whole node's KV (2 engines): a clear 400 naming the limit."""
+    too_long = prompts(1, 2 * MAX_TOTAL_TOKENS + 100, seed=2)[0]
     resp = dp2_server.post(
         "/generate", {"input_ids": too_long, "sampling_params": {"max_new_tokens": 2}}
     )
     assert resp.status_code == 400
-    assert "longer than" in resp.text or "exceeds" in resp.text
+    assert "exceeds the node's KV capacity" in resp.text
+    assert "largest TP degree 2" in resp.text
     assert dp2_server.generate_ids([5, 6, 7], 2)["meta_info"]["completion_tokens"] == 2
 
 

@@ -63,21 +63,25 @@ def test_tp_on_openai_endpoints(dp2_server):
     assert body["usage"]["completion_tokens"] == 4
 
 
-def test_bad_tp_header_is_400_and_changes_nothing(dp2_server):
+def test_bad_headers_are_400_and_change_nothing(dp2_server):
     before = _status(dp2_server)["totals"]["binds"]
-    for value in ("3", "8", "two"):
+    bad = [("X-Flying-TP", "3"), ("X-Flying-TP", "8"), ("X-Flying-TP", "two"),
+           ("X-Priority", "urgent!")]
+    for header, value in bad:
         resp = dp2_server.post(
             "/generate",
             {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2}},
-            headers={"X-Flying-TP": value},
+            headers={header: value},
         )
         assert resp.status_code == 400, (value, resp.text)
-        assert "X-Flying-TP" in resp.text
+        assert header in resp.text or "priority" in resp.text
     assert _status(dp2_server)["totals"]["binds"] == before
 
 
-def test_hard_preemption_resumes_dp_requests_exactly(dp2_server, demo_model_dir):
-    """DP requests running on both engines are paused by a TP request, KV kept."""
+def test_priority_request_preempts_and_dp_requests_resume_exactly(dp2_server, demo_model_dir):
+    """A high-priority request arriving while both engines decode normal requests runs
+    in a TP-2 group at once (hard preemption); the normal requests are paused with
+    their KV kept and finish with exactly the tokens they produce alone."""
     dp_prompts = prompts(2, 20, seed=4)
     n_dp = 160
     results: dict[int, dict] = {}
@@ -91,7 +95,8 @@ def test_hard_preemption_resumes_dp_requests_exactly(dp2_server, demo_model_dir)
         t.start()
     time.sleep(1.0)  # both DP requests are decoding now
     tp_ids = prompts(1, 13, seed=5)[0]
-    tp = _generate(dp2_server, tp_ids, 24, headers=TP2)
+    tp = _generate(dp2_server, tp_ids, 24, headers={"X-Priority": "high"})
+    assert tp["meta_info"]["flying"]["mode"] == "tp"
     for t in threads:
         t.join(timeout=300)
     assert tp["output_ids"] == greedy_tokens(demo_model_dir, tp_ids, 24)
@@ -102,16 +107,14 @@ def test_hard_preemption_resumes_dp_requests_exactly(dp2_server, demo_model_dir)
     assert _status(dp2_server)["totals"]["preempted_dp_requests"] > before
 
 
-def test_long_prompt_uses_two_engines_kv(dp2_server, demo_model_dir):
-    """A prompt beyond one engine's KV pool runs in TP-2 using >= 99% of 2 pools."""
+def test_long_prompt_is_upgraded_and_uses_two_engines_kv(dp2_server, demo_model_dir):
+    """A prompt beyond one engine's KV pool runs in TP-2 with no header, using >= 99%
+    of both pools, with the tokens transformers produces."""
     new = 8
     length = 2 * MAX_TOTAL_TOKENS - new - 8
     ids = prompts(1, length, seed=6)[0]
-    plain = dp2_server.post(
-        "/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": new}}
-    )
-    assert plain.status_code == 400
-    body = _generate(dp2_server, ids, new, headers=TP2)
+    body = _generate(dp2_server, ids, new)
+    assert body["meta_info"]["flying"]["mode"] == "tp", body["meta_info"]
     used = body["meta_info"]["prompt_tokens"] + body["meta_info"]["completion_tokens"]
     assert body["meta_info"]["finish_reason"]["type"] == "length", body["meta_info"]
     assert used >= 0.99 * 2 * MAX_TOTAL_TOKENS

@@ -1,0 +1,154 @@
+"""The global scheduler's policy: where a request runs, as a pure function of state.
+
+No torch, no sockets: the inputs are plain values (the request's priority and lengths,
+per-engine load, the node's TP degrees and per-engine KV capacity), the output is a
+``Decision``. That keeps it unit-testable and replayable from a recorded event log
+(``scheduler.replay``). Mechanism (binding, views, pools) lives in ``flying/``.
+
+Order of rules for one request:
+1. an explicit ``X-Flying-TP`` degree wins (operators' manual control);
+2. prompt + max_new_tokens beyond one engine's KV -> the smallest degree that fits, or a
+   rejection naming the limit and the largest degree (the only 400 for length);
+3. priority at or above the threshold -> the largest degree (latency first);
+   (rules 2-4 are off under the manual policy: only explicit headers bind groups);
+4. by policy: static-dp -> DP; static-tp -> the largest degree;
+   adaptive -> the largest degree while the node is lightly loaded, DP under load, with
+   hysteresis (enter TP below ``light_load``, leave above ``heavy_load`` requests per
+   engine) so the mode does not flap.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+POLICIES = ("adaptive", "static-dp", "static-tp", "manual")
+PRIORITY_NAMES = {"low": -1, "normal": 0, "high": 1}
+
+
+def parse_priority(value: str | int | None) -> int:
+    """``high|normal|low|<int>`` -> int (higher is more urgent). Raises ValueError."""
+    if value is None:
+        return 0
+    if isinstance(value, int):
+        return value
+    text = str(value).strip().lower()
+    if text in PRIORITY_NAMES:
+        return PRIORITY_NAMES[text]
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(
+            f"invalid priority {value!r}: expected high, normal, low or an integer"
+        ) from None
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt_len: int
+    max_new_tokens: int
+    priority: int = 0
+    explicit_degree: int = 0  # from X-Flying-TP; 0 = none
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    rank: int
+    running: int
+    waiting: int
+
+    @property
+    def requests(self) -> int:
+        return self.running + self.waiting
+
+
+@dataclass(frozen=True)
+class Node:
+    num_engines: int
+    degrees: tuple[int, ...]  # allowed TP degrees, ascending
+    engine_capacity: int  # KV tokens one engine can give a single request
+
+    def capacity(self, degree: int) -> int:
+        return self.engine_capacity * degree
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    policy: str = "adaptive"
+    priority_threshold: int = 1
+    light_load: float = 0.5  # requests per engine below which adaptive enters TP
+    heavy_load: float = 1.5  # requests per engine above which adaptive leaves TP
+
+    def validate(self) -> PolicyConfig:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if not 0 <= self.light_load <= self.heavy_load:
+            raise ValueError("need 0 <= light_load <= heavy_load")
+        return self
+
+
+@dataclass(frozen=True)
+class Decision:
+    mode: str  # "dp" | "tp" | "reject"
+    degree: int = 1
+    reason: str = ""
+
+
+@dataclass
+class Policy:
+    config: PolicyConfig
+    node: Node
+    light: bool = field(default=True)  # adaptive hysteresis state
+
+    def fit_degree(self, tokens: int) -> int | None:
+        """The smallest allowed degree whose pooled KV holds ``tokens`` (1 = one engine)."""
+        if tokens <= self.node.capacity(1):
+            return 1
+        for m in self.node.degrees:
+            if tokens <= self.node.capacity(m):
+                return m
+        return None
+
+    def observe(self, loads: list[EngineLoad]) -> None:
+        """Update the adaptive mode from load (requests per engine), with hysteresis."""
+        if not loads:
+            return
+        per_engine = sum(e.requests for e in loads) / len(loads)
+        if self.light and per_engine > self.config.heavy_load:
+            self.light = False
+        elif not self.light and per_engine < self.config.light_load:
+            self.light = True
+
+    def decide(self, req: Request, loads: list[EngineLoad] | None = None) -> Decision:
+        largest = max(self.node.degrees, default=1)
+        tokens = req.prompt_len + req.max_new_tokens
+        need = self.fit_degree(tokens)
+        if req.explicit_degree > 1:
+            if req.explicit_degree not in self.node.degrees:
+                return Decision("reject", reason=f"TP degree {req.explicit_degree} not allowed")
+            if tokens > self.node.capacity(req.explicit_degree):
+                return Decision("reject", reason=self._too_long(tokens, largest))
+            return Decision("tp", req.explicit_degree, "explicit")
+        if self.config.policy == "manual":  # only explicit headers bind groups
+            return Decision("dp", 1, "manual")
+        if need is None:
+            return Decision("reject", reason=self._too_long(tokens, largest))
+        if need > 1:
+            return Decision("tp", need, "long context")
+        if largest > 1 and req.priority >= self.config.priority_threshold:
+            return Decision("tp", largest, "priority")
+        policy = self.config.policy
+        if policy == "static-tp" and largest > 1:
+            return Decision("tp", largest, "static-tp")
+        if policy == "adaptive" and largest > 1:
+            if loads is not None:
+                self.observe(loads)
+            if self.light:
+                return Decision("tp", largest, "light load")
+        return Decision("dp", 1, policy)
+
+    def _too_long(self, tokens: int, largest: int) -> str:
+        return (
+            f"prompt + max_new_tokens = {tokens} tokens exceeds the node's KV capacity: "
+            f"{self.node.capacity(largest)} tokens with the largest TP degree {largest} "
+            f"({self.node.engine_capacity} per engine)"
+        )

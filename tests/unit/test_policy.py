@@ -1,0 +1,138 @@
+"""The global scheduler's pure policy, on synthetic states."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from scheduler.policy import (
+    Decision,
+    EngineLoad,
+    Node,
+    Policy,
+    PolicyConfig,
+    Request,
+    parse_priority,
+)
+from scheduler.replay import record, replay
+
+pytestmark = pytest.mark.unit
+
+NODE = Node(num_engines=4, degrees=(2, 4), engine_capacity=1000)
+
+
+def policy(kind="adaptive", **kw) -> Policy:
+    return Policy(PolicyConfig(kind, **kw).validate(), NODE)
+
+
+def loads(*per_engine: int) -> list[EngineLoad]:
+    return [EngineLoad(r, n, 0) for r, n in enumerate(per_engine)]
+
+
+@pytest.mark.parametrize(
+    "text,value", [("high", 1), ("normal", 0), ("low", -1), ("7", 7), (" HIGH ", 1), (None, 0)]
+)
+def test_parse_priority(text, value):
+    assert parse_priority(text) == value
+
+
+def test_parse_priority_rejects_garbage():
+    with pytest.raises(ValueError, match="invalid priority"):
+        parse_priority("urgent!")
+
+
+@pytest.mark.parametrize(
+    "tokens,degree", [(10, 1), (1000, 1), (1001, 2), (2000, 2), (2001, 4), (4000, 4), (4001, None)]
+)
+def test_fit_degree_is_smallest_that_holds(tokens, degree):
+    assert policy().fit_degree(tokens) == degree
+
+
+@pytest.mark.parametrize("kind", ["adaptive", "static-dp", "static-tp"])
+def test_long_context_upgrades_to_smallest_fitting_degree(kind):
+    p = policy(kind)
+    assert p.decide(Request(1500, 100), loads(9, 9, 9, 9)) == Decision("tp", 2, "long context")
+    assert p.decide(Request(3000, 100), loads(9, 9, 9, 9)).degree == 4
+
+
+def test_beyond_node_is_rejected_with_limit_and_largest_degree():
+    d = policy("static-dp").decide(Request(3990, 20))
+    assert d.mode == "reject"
+    assert "4000 tokens" in d.reason and "largest TP degree 4" in d.reason
+
+
+def test_priority_goes_to_largest_group_even_under_load():
+    d = policy("static-dp").decide(Request(10, 10, priority=1), loads(5, 5, 5, 5))
+    assert d == Decision("tp", 4, "priority")
+    assert policy(priority_threshold=5).decide(Request(10, 10, priority=1), loads(5, 5, 5, 5)).mode == "dp"
+
+
+def test_manual_binds_only_explicit_headers():
+    p = policy("manual")
+    assert p.decide(Request(1500, 10, priority=9)).mode == "dp"
+    assert p.decide(Request(10, 10, explicit_degree=2)) == Decision("tp", 2, "explicit")
+
+
+def test_explicit_degree_validated():
+    assert policy().decide(Request(10, 10, explicit_degree=8)).mode == "reject"
+    assert policy().decide(Request(2500, 10, explicit_degree=2)).mode == "reject"
+
+
+def test_static_policies():
+    assert policy("static-dp").decide(Request(10, 10), loads(0, 0, 0, 0)).mode == "dp"
+    assert policy("static-tp").decide(Request(10, 10), loads(9, 9, 9, 9)) == Decision(
+        "tp", 4, "static-tp"
+    )
+
+
+def test_adaptive_hysteresis_does_not_flap():
+    p = policy(light_load=0.5, heavy_load=1.5)
+    assert p.decide(Request(10, 10), loads(0, 0, 0, 0)).mode == "tp"
+    assert p.decide(Request(10, 10), loads(1, 1, 1, 1)).mode == "tp"  # between: stay
+    assert p.decide(Request(10, 10), loads(2, 2, 2, 2)).mode == "dp"  # above heavy
+    assert p.decide(Request(10, 10), loads(1, 1, 1, 1)).mode == "dp"  # between: stay
+    assert p.decide(Request(10, 10), loads(0, 0, 0, 1)).mode == "tp"  # below light
+
+
+def test_no_degrees_means_dp_or_reject():
+    p = Policy(PolicyConfig().validate(), Node(1, (), 1000))
+    assert p.decide(Request(10, 10, priority=5), loads(0)).mode == "dp"
+    assert p.decide(Request(1500, 10)).mode == "reject"
+
+
+def test_exhaustive_small_states_are_well_formed():
+    """Every decision on a grid of states is valid for the node."""
+    for kind, prompt, prio, load in itertools.product(
+        ["adaptive", "static-dp", "static-tp", "manual"],
+        [1, 999, 1001, 2500, 5000],
+        [-1, 0, 1],
+        [0, 1, 3],
+    ):
+        d = policy(kind).decide(Request(prompt, 1, prio), loads(load, load, load, load))
+        assert d.mode in ("dp", "tp", "reject")
+        if d.mode == "tp":
+            assert d.degree in NODE.degrees and prompt + 1 <= NODE.capacity(d.degree)
+        if d.mode == "dp":
+            assert d.degree == 1
+        if d.mode == "reject":
+            assert kind != "manual" and prompt + 1 > NODE.capacity(4)
+
+
+def test_replay_reproduces_and_detects_changes():
+    p = policy()
+    events = []
+    for i, per in enumerate([0, 0, 2, 2, 1, 0, 0]):
+        req = Request(10 * (i + 1), 10, priority=i % 2)
+        ld = loads(per, per, per, per)
+        events.append(record(req, ld, p.decide(req, ld)))
+    assert replay(events, PolicyConfig(), NODE) == []
+    diffs = replay(events, PolicyConfig(policy="static-dp"), NODE)
+    assert diffs and all(want.mode == "tp" and got.mode == "dp" for _, want, got in diffs)
+
+
+def test_invalid_config():
+    with pytest.raises(ValueError):
+        PolicyConfig(policy="fast").validate()
+    with pytest.raises(ValueError):
+        PolicyConfig(light_load=2, heavy_load=1).validate()
