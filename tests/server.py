@@ -17,7 +17,7 @@ from pathlib import Path
 
 import requests
 
-STARTUP_TIMEOUT_S = 240
+STARTUP_TIMEOUT_S = 420
 
 
 def free_port() -> int:
