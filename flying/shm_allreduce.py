@@ -41,7 +41,6 @@ for SGLang's collectives, which all members issue with tensors of the same shape
 
 from __future__ import annotations
 
-import atexit
 import logging
 import mmap
 import os
@@ -56,12 +55,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from flying import shm_segment
+
 logger = logging.getLogger(__name__)
 
-SHM_DIR = Path("/dev/shm")
-#: Every segment this module creates is named ``<PREFIX><creator pid>_<random>``.
-PREFIX = "flying_shm_ar_"
-_MAGIC = 0x464C59494E475348  # "FLYINGSH"
 _HEADER = 64
 _LINE = 64  # bytes per rank line (one cache line)
 _ALIGN = 4096
@@ -122,50 +119,10 @@ def _data_offset(world: int) -> int:
     return -(-(_HEADER + world * _LINE) // _ALIGN) * _ALIGN
 
 
-def _pidns() -> int:
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return 0
-
-
-# Segments this process created and has not unlinked yet (setup window only).
-_PENDING_UNLINK: set[Path] = set()
-
-
-@atexit.register
-def _unlink_pending() -> None:
-    for path in list(_PENDING_UNLINK):
-        path.unlink(missing_ok=True)
-        _PENDING_UNLINK.discard(path)
-
-
-def sweep_stale() -> list[str]:
-    """Remove segments whose creator process is gone (killed inside the setup window)."""
-    removed = []
-    for path in SHM_DIR.glob(PREFIX + "*"):
-        try:
-            pid = int(path.name[len(PREFIX) :].split("_", 1)[0])
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            path.unlink(missing_ok=True)
-            removed.append(path.name)
-        except (ValueError, PermissionError, OSError):
-            continue
-    return removed
-
-
 def _group_allreduce(pg: dist.ProcessGroup, t: torch.Tensor) -> torch.Tensor:
     """Sum ``t`` over ``pg`` in place, with group-local semantics (no global ranks)."""
     pg.allreduce([t]).wait()
     return t
-
-
-def _release_mapping(mm: mmap.mmap) -> None:
-    try:
-        mm.close()
-    except BufferError:  # a view is still alive somewhere; freed at process exit
-        pass
 
 
 class ShmAllReduce:
@@ -196,10 +153,12 @@ class ShmAllReduce:
         self._data = data.view(2, world, slot_bytes)  # [parity, rank, bytes]
         self._views_cache: dict[tuple, list[torch.Tensor]] = {}
         self._seq = int(self._lines[rank, 0])
-        self._pidns = _pidns()
+        self._pidns = shm_segment.pidns()
         self.broken: str | None = None
-        self.calls = 0
-        self._finalizer = weakref.finalize(self, _release_mapping, mm)
+        self.calls = 0  # collectives completed through shared memory
+        self.calls_gather = 0
+        self.noted: set[tuple[str, str]] = set()  # (op, path) pairs already logged
+        self._finalizer = weakref.finalize(self, shm_segment.release, mm)
 
     # -- setup ---------------------------------------------------------------------
 
@@ -234,10 +193,10 @@ class ShmAllReduce:
         size = _data_offset(world) + 2 * world * slot_bytes
         name, mm, reason = "", None, ""
         if rank == 0:
-            sweep_stale()
-            name = f"{PREFIX}{os.getpid()}_{secrets.token_hex(8)}"
+            shm_segment.sweep_stale()
+            name = f"{shm_segment.PREFIX}{os.getpid()}_{secrets.token_hex(8)}"
             try:
-                mm = cls._create_file(SHM_DIR / name, size, world)
+                mm = shm_segment.create(shm_segment.SHM_DIR / name, size, world)
             except OSError as exc:
                 reason, name = f"cannot create segment: {exc}", ""
         codes = torch.zeros(_NAME_LEN, dtype=torch.int64)
@@ -247,21 +206,20 @@ class ShmAllReduce:
         name = "".join(chr(int(c)) for c in codes if int(c) != 0)
         if name and rank != 0:
             try:
-                mm = cls._attach_file(SHM_DIR / name, size, world)
+                mm = shm_segment.attach(shm_segment.SHM_DIR / name, size, world)
             except (OSError, ValueError) as exc:
                 reason = f"cannot map {name}: {exc} (members not on one host?)"
         if mm is not None:
             line = np.frombuffer(mm, dtype=np.int64, count=_LINE // 8, offset=_HEADER + rank * _LINE)
-            line[1], line[2] = os.getpid(), _pidns()
+            line[1], line[2] = os.getpid(), shm_segment.pidns()
             del line
         ok = torch.tensor([1 if mm is not None else 0], dtype=torch.int64)
         _group_allreduce(pg, ok)
         if rank == 0 and name:
-            (SHM_DIR / name).unlink(missing_ok=True)
-            _PENDING_UNLINK.discard(SHM_DIR / name)
+            shm_segment.unlink(shm_segment.SHM_DIR / name)
         if int(ok[0]) != world:
             if mm is not None:
-                _release_mapping(mm)
+                shm_segment.release(mm)
             why = reason or "a member could not map the segment (members not on one host?)"
             logger.info("flying: %s uses gloo for all-reduce (%s)", label, why)
             return None
@@ -274,41 +232,6 @@ class ShmAllReduce:
             slot_bytes >> 10,
         )
         return comm
-
-    @staticmethod
-    def _create_file(path: Path, size: int, world: int) -> mmap.mmap:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        _PENDING_UNLINK.add(path)
-        try:
-            os.posix_fallocate(fd, 0, size)  # ENOSPC here, not SIGBUS on first write
-            mm = mmap.mmap(fd, size)
-        except OSError:
-            path.unlink(missing_ok=True)
-            _PENDING_UNLINK.discard(path)
-            raise
-        finally:
-            os.close(fd)
-        header = np.frombuffer(mm, dtype=np.int64, count=4)
-        header[:] = (_MAGIC, world, size, 0)
-        del header
-        return mm
-
-    @staticmethod
-    def _attach_file(path: Path, size: int, world: int) -> mmap.mmap:
-        fd = os.open(path, os.O_RDWR)
-        try:
-            if os.fstat(fd).st_size != size:
-                raise ValueError(f"size {os.fstat(fd).st_size} != {size}")
-            mm = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
-        header = np.frombuffer(mm, dtype=np.int64, count=4)
-        good = tuple(int(x) for x in header[:3]) == (_MAGIC, world, size)
-        del header
-        if not good:
-            _release_mapping(mm)
-            raise ValueError("header mismatch")
-        return mm
 
     # -- collectives ---------------------------------------------------------------
 
@@ -376,7 +299,9 @@ class ShmAllReduce:
 
         Shapes: ``t`` is [..., n, ...] on every member -> [..., W * n, ...].
         """
-        return torch.cat(self._exchange(t), dim=dim)
+        out = torch.cat(self._exchange(t), dim=dim)
+        self.calls_gather += 1
+        return out
 
     # -- waiting -------------------------------------------------------------------
 
@@ -435,3 +360,4 @@ class ShmAllReduce:
         self._data = None  # type: ignore[assignment]
         self._lines = self._seq_col = None  # type: ignore[assignment]
         self._finalizer()
+

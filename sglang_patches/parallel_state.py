@@ -19,11 +19,26 @@ CPU platform (``wants_cpu_platform()`` false) the hooks always call the original
 
 from __future__ import annotations
 
+import logging
+
 from flying.shm_allreduce import ShmAllReduce
 from sglang_patches.platform import wants_cpu_platform
 
+logger = logging.getLogger(__name__)
+
 _ATTR = "_flying_shm"
 _UNSET = object()
+
+
+def _note(comm: ShmAllReduce, op: str, path: str, t) -> None:
+    """Log the first time a group's ``op`` takes ``path``, so logs say what runs."""
+    key = (op, path)
+    if key not in comm.noted:
+        comm.noted.add(key)
+        logger.info(
+            "flying: %s: %s of %s %s (%d B) via %s",
+            comm.label, op, list(t.shape), t.dtype, t.numel() * t.element_size(), path,
+        )
 
 
 def _comm(group) -> ShmAllReduce | None:
@@ -45,16 +60,22 @@ def _comm(group) -> ShmAllReduce | None:
 def all_reduce(original, group, input_):
     if group.world_size > 1 and input_.is_cpu:
         comm = _comm(group)
-        if comm is not None and comm.can_reduce(input_):
-            return comm.all_reduce_(input_)
+        if comm is not None:
+            if comm.can_reduce(input_):
+                return comm.all_reduce_(input_)
+            _note(comm, "all_reduce", "gloo (above the slot or not a float type)", input_)
     return original(group, input_)
 
 
 def all_gather(original, group, input_, dim=-1, output_tensor_list=None):
     if output_tensor_list is None and group.world_size > 1 and input_.is_cpu:
         comm = _comm(group)
-        if comm is not None and comm.fits(input_):
-            return comm.all_gather(input_, dim)
+        if comm is not None:
+            if comm.fits(input_):
+                if comm.calls_gather == 0:
+                    _note(comm, "all_gather", "shared memory", input_)
+                return comm.all_gather(input_, dim)
+            _note(comm, "all_gather", "gloo (above the slot)", input_)
     return original(group, input_, dim, output_tensor_list)
 
 
