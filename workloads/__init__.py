@@ -8,4 +8,6 @@ TTFT / TPOT / queue time / throughput can be compared side by side (design brief
 - ``presets``: named, documented trace configurations (``paper``, ``cpu-small``, ...).
 - ``client``: open-loop streaming benchmark client (``python -m workloads.client``).
 - ``metrics`` / ``timeseries``: summaries, markdown tables, ratios and plot series.
+- ``compare``: static DP vs static TP vs Flying on one trace (``python -m workloads.compare``);
+  ``report`` / ``plots`` render its markdown report and PNG plots.
 """

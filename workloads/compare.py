@@ -1,0 +1,385 @@
+"""Static DP vs static TP vs Flying on one model and one trace, in one command.
+
+Each system is started in turn with ``python -m flying.launch`` (one server at a time, so they
+never share the cores), the same trace is replayed against it open loop with
+``workloads.client``, the server is stopped, and a markdown report with tables, ratios and
+plots is written. Runs:
+
+- ``static-dp``: ``--dp-size N`` with Flying's TP degrees off (``--flying-tp-degrees none``
+  when the launcher has that flag): SGLang's own DP controller and N independent replicas;
+  the Flying plugin only provides the CPU platform.
+- ``static-tp``: ``--tp-size N --dp-size 1``: one SGLang replica sharded N ways.
+- ``flying``: ``--dp-size N`` plus whatever ``--flying-args`` says; the report shows what it
+  measured, whatever mode its engines ran in.
+
+CLI::
+
+    python -m workloads.compare --preset cpu-small [--runs static-dp,flying] [--limit 20] \\
+        [--model-path DIR] [--engines 2] [--flying-args "..."] [--server-args "..."] [--out DIR]
+        (every run gets --enable-metrics so responses carry server queue times)
+    python -m workloads.compare --report-only DIR   # rebuild report.md from saved runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from workloads.client import run_trace
+from workloads.metrics import summarize
+from workloads.presets import PRESETS, build_preset
+from workloads.report import (
+    RUN_NAMES,
+    RunResult,
+    describe_trace,
+    load_run,
+    machine_facts,
+    save_run,
+    write_report,
+)
+from workloads.trace import TraceRequest, load_trace
+
+#: Generous: a 2-core machine shared with other servers may take minutes to start one.
+STARTUP_TIMEOUT_S = 600.0
+STOP_TIMEOUT_S = 30.0
+
+#: Server log lines left out of a failed run's log tail: import warnings and C++ stack frames.
+LOG_NOISE = ("warnings.warn", "UserWarning", "frame #")
+
+#: SGLang puts ``queue_time`` into a response's meta_info only with metrics enabled; every run
+#: gets it, so the (small) cost of collecting metrics is the same for all systems.
+METRICS_FLAG = "--enable-metrics"
+
+
+def log(message: str) -> None:
+    """One timestamped progress line, flushed so a long run shows where it is."""
+    print(f"[compare {datetime.now():%H:%M:%S}] {message}", flush=True)
+
+
+def free_port() -> int:
+    """An unused TCP port on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launcher_has_flag(flag: str) -> bool:
+    """Whether ``flying.launch`` knows Flying flag ``flag`` (flags are added over time)."""
+    from flying.config import flag_reference
+
+    return any(name == flag for name, _, _ in flag_reference())
+
+
+def run_args(
+    name: str,
+    model_path: str,
+    engines: int,
+    server_args: Sequence[str] = (),
+    flying_args: Sequence[str] = (),
+) -> list[str]:
+    """``flying.launch`` flags (without host/port) for run ``name``."""
+    base = ["--model-path", model_path]
+    if name == "static-dp":
+        off = ["--flying-tp-degrees", "none"] if launcher_has_flag("--flying-tp-degrees") else []
+        return [*base, "--dp-size", str(engines), *off, *server_args]
+    if name == "static-tp":
+        return [*base, "--tp-size", str(engines), "--dp-size", "1", *server_args]
+    if name == "flying":
+        return [*base, "--dp-size", str(engines), *flying_args, *server_args]
+    raise ValueError(f"unknown run {name!r}; known: {', '.join(RUN_NAMES)}")
+
+
+class LaunchedServer:
+    """A ``python -m flying.launch`` process tree in its own session, so it can be killed whole."""
+
+    def __init__(self, args: Sequence[str], port: int, log_path: Path) -> None:
+        self.url = f"http://127.0.0.1:{port}"
+        self.command = [sys.executable, "-m", "flying.launch", "--host", "127.0.0.1",
+                        "--port", str(port), *args]
+        self.log_path = log_path
+        self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            self.command, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> float:
+        """Seconds until ``/health_generate`` answers 200 (it runs one real generation)."""
+        start = time.monotonic()
+        while time.monotonic() - start < timeout_s:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with code {self.proc.returncode}")
+            try:
+                with urllib.request.urlopen(self.url + "/health_generate", timeout=10) as resp:
+                    if resp.status == 200:
+                        return time.monotonic() - start
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(1.0)
+        raise TimeoutError(f"server not ready in {timeout_s:g} s")
+
+    def log_tail(self, n: int = 30) -> str:
+        """The last ``n`` lines of the server's output, for failed runs."""
+        self._log.flush()
+        lines = [
+            line for line in self.log_path.read_text(errors="replace").splitlines()
+            if line.strip() and not any(noise in line for noise in LOG_NOISE)
+        ]
+        return "\n".join(line[:300] for line in lines[-n:])
+
+    def stop(self) -> None:
+        """SIGTERM the whole process group, SIGKILL what is left after a grace period."""
+        if self.proc.poll() is None:
+            for sig, wait_s in ((signal.SIGTERM, STOP_TIMEOUT_S), (signal.SIGKILL, 10.0)):
+                try:
+                    os.killpg(self.proc.pid, sig)
+                    self.proc.wait(timeout=wait_s)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+                except ProcessLookupError:
+                    break
+        try:  # children that outlived the leader are still in the group
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self._log.close()
+
+
+def launcher_notes(log_path: Path) -> list[str]:
+    """Defaults the launcher added (its "adding --x" lines) and Flying's resolved degrees."""
+    notes: list[str] = []
+    for line in log_path.read_text(errors="replace").splitlines():
+        text = line.split("] ", 1)[-1]
+        if "adding --" in text or text.startswith("Flying TP degrees"):
+            notes.append(text.strip())
+    return notes
+
+
+def start_server(
+    name: str,
+    args: Sequence[str],
+    port: int,
+    log_path: Path,
+    retries: int,
+    startup_timeout_s: float = STARTUP_TIMEOUT_S,
+) -> tuple[LaunchedServer, float]:
+    """A ready server and its startup seconds; retried when killed by a signal during startup.
+
+    On a shared machine another user's cleanup (e.g. a broad ``pkill``) may kill a starting
+    server; that says nothing about the system under test, so it is retried. A server that
+    fails by itself (non-signal exit, timeout) is not.
+    """
+    for attempt in range(retries + 1):
+        server = LaunchedServer(args, port, log_path)
+        try:
+            return server, server.wait_ready(startup_timeout_s)
+        except (RuntimeError, TimeoutError) as exc:
+            code = server.proc.poll()
+            tail = server.log_tail()
+            server.stop()
+            if code is None or code >= 0 or attempt == retries:
+                raise ServerFailed(str(exc), tail) from exc
+            log(f"{name}: server killed by signal {-code} during startup; retrying")
+    raise AssertionError("unreachable")
+
+
+class ServerFailed(RuntimeError):
+    """A server that did not come up; carries the tail of its log."""
+
+    def __init__(self, message: str, log_tail: str) -> None:
+        super().__init__(message)
+        self.log_tail = log_tail
+
+
+def run_one(
+    name: str,
+    args: Sequence[str],
+    trace: Sequence[TraceRequest],
+    run_dir: Path,
+    port: int,
+    seed: int,
+    timeout_s: float,
+    retries: int = 2,
+    startup_timeout_s: float = STARTUP_TIMEOUT_S,
+) -> RunResult:
+    """Start the server, replay the trace, stop the server; failures end up in the result."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    result = RunResult(
+        name=name,
+        command=["python", "-m", "flying.launch", *args],
+        started=f"{datetime.now():%Y-%m-%d %H:%M:%S}",
+        load_before=[round(x, 2) for x in os.getloadavg()],
+    )
+    log(f"{name}: starting server: {shlex.join(result.command)}")
+    try:
+        server, result.ready_s = start_server(
+            name, args, port, run_dir / "server.log", retries, startup_timeout_s
+        )
+    except ServerFailed as exc:
+        result.error, result.log_tail = str(exc), exc.log_tail
+        log(f"{name}: FAILED: {exc}")
+    else:
+        try:
+            log(f"{name}: ready in {result.ready_s:.1f} s; replaying {len(trace)} requests")
+            start = time.monotonic()
+            result.records = asyncio.run(
+                run_trace(trace, server.url, seed=seed, overall_timeout=timeout_s,
+                          progress=sys.stderr.isatty())
+            )
+            result.replay_s = time.monotonic() - start
+            result.summary = summarize(result.records)
+            ok = sum(r.success for r in result.records)
+            log(f"{name}: done: {ok}/{len(result.records)} ok in {result.replay_s:.1f} s")
+            if server.proc.poll() is not None:
+                result.error = f"server exited with code {server.proc.returncode} during replay"
+                result.log_tail = server.log_tail()
+        finally:
+            server.stop()
+            log(f"{name}: server stopped")
+    result.launcher_notes = launcher_notes(run_dir / "server.log")
+    save_run(result, run_dir)
+    return result
+
+
+def build_trace(args: argparse.Namespace) -> tuple[list[TraceRequest], dict[str, Any]]:
+    """The trace to replay and its description for the report."""
+    if args.trace:
+        trace, source = load_trace(args.trace), f"file {args.trace}"
+    else:
+        trace = build_preset(args.preset, args.seed)
+        source = f"preset `{args.preset}` (seed {args.seed}): {PRESETS[args.preset].description}"
+    if args.limit is not None:
+        trace = trace[: args.limit]
+        source += f"; first {args.limit} requests only (--limit)"
+    return trace, {"source": source, **describe_trace(trace)}
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-path", help="checkpoint directory (default: the demo model)")
+    parser.add_argument("--engines", type=int, default=2, help="N: dp size / tp size")
+    parser.add_argument("--preset", default="cpu-small", choices=sorted(PRESETS))
+    parser.add_argument("--trace", help="JSONL trace file (overrides --preset)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--limit", type=int, help="replay only the first N requests")
+    parser.add_argument("--runs", default=",".join(RUN_NAMES),
+                        help=f"comma list out of {','.join(RUN_NAMES)}")
+    parser.add_argument("--flying-args", default="", help="extra flags for the flying run")
+    parser.add_argument("--server-args", default="", help="extra SGLang flags for every run")
+    parser.add_argument("--no-queue-metrics", action="store_true",
+                        help="do not add --enable-metrics (then no server queue times)")
+    parser.add_argument("--out", help="output directory (default results/compare-<time>)")
+    parser.add_argument("--port", type=int, help="server port (default: a free one)")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="replay limit per run, s")
+    parser.add_argument("--startup-timeout", type=float, default=STARTUP_TIMEOUT_S,
+                        help="seconds to wait for each server")
+    parser.add_argument("--title", help="report title")
+    parser.add_argument("--report-only", metavar="DIR",
+                        help="rebuild DIR/report.md from the runs saved in DIR; start nothing")
+    args = parser.parse_args(argv)
+    runs = [r.strip() for r in args.runs.split(",") if r.strip()]
+    unknown = sorted(set(runs) - set(RUN_NAMES))
+    if unknown or not runs:
+        parser.error(f"--runs: unknown {unknown}; choose from {', '.join(RUN_NAMES)}")
+    args.runs = [r for r in RUN_NAMES if r in runs]
+    if args.engines < 1:
+        parser.error("--engines must be >= 1")
+    return args
+
+
+def merge_context(path: Path, context: dict[str, Any]) -> dict[str, Any]:
+    """Context for a directory that may already hold runs of an earlier invocation.
+
+    Re-running one system into an existing directory (``--runs static-dp --out DIR``) keeps the
+    other systems' results; that is only meaningful for the same trace and model, so anything
+    else is refused, and the report lists every command that contributed.
+    """
+    if not path.is_file():
+        return context
+    old = json.loads(path.read_text())
+    for key in ("trace",):
+        if old.get(key) != context[key]:
+            raise SystemExit(f"error: {path.parent} holds runs of another {key}; use a new --out")
+    if old.get("machine", {}).get("model") != context["machine"]["model"]:
+        raise SystemExit(f"error: {path.parent} holds runs of another model; use a new --out")
+    earlier = old.get("commands") or ([old["command"]] if old.get("command") else [])
+    return {**context, "commands": [*earlier, *context["commands"]],
+            "started": old.get("started", context["started"])}
+
+
+def rebuild_report(out: Path) -> Path:
+    """Re-render ``report.md`` from ``context.json`` and the saved runs in ``out``."""
+    context = json.loads((out / "context.json").read_text())
+    runs = [load_run(out / name) for name in RUN_NAMES if (out / name / "run.json").is_file()]
+    return write_report(runs, out, context)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Run every requested system on the trace and write the report."""
+    args = parse_args(argv)
+    if args.report_only:
+        path = rebuild_report(Path(args.report_only))
+        log(f"report rebuilt: {path}")
+        return
+    shown = list(sys.argv[1:] if argv is None else argv)
+    command = shlex.join(["python", "-m", "workloads.compare", *shown])
+    if args.model_path:
+        model_path = args.model_path
+    else:
+        from flying.demo_model import ensure_demo_model
+
+        model_path = str(ensure_demo_model())
+    out = Path(args.out or f"results/compare-{datetime.now():%Y%m%d-%H%M%S}")
+    out.mkdir(parents=True, exist_ok=True)
+    trace, trace_facts = build_trace(args)
+    if not trace:
+        raise SystemExit("error: the trace is empty")
+    context = {
+        "title": args.title or "Static DP vs static TP vs Flying",
+        "commands": [command],
+        "started": f"{datetime.now():%Y-%m-%d %H:%M:%S}",
+        "machine": {**machine_facts(), "model": model_path, "engines (N)": args.engines},
+        "trace": trace_facts,
+    }
+    context = merge_context(out / "context.json", context)
+    (out / "context.json").write_text(json.dumps(context, indent=2) + "\n")
+    log(f"{len(trace)} requests over {trace_facts.get('span_s')} s; runs: {', '.join(args.runs)};"
+        f" output in {out}")
+    server_args, flying_args = shlex.split(args.server_args), shlex.split(args.flying_args)
+    if not args.no_queue_metrics and METRICS_FLAG not in server_args:
+        server_args.append(METRICS_FLAG)
+    results: list[RunResult] = []
+    for name in args.runs:
+        launch = run_args(name, model_path, args.engines, server_args, flying_args)
+        port = args.port or free_port()
+        results.append(run_one(name, launch, trace, out / name, port, args.seed, args.timeout,
+                               startup_timeout_s=args.startup_timeout))
+    path = rebuild_report(out)  # includes runs saved earlier into the same directory
+    log(f"report: {path}")
+    for run in results:
+        if run.ok() and run.summary:
+            tp = run.summary["throughput"]
+            ttft = run.summary["overall"]["ttft_ms"]
+            log(f"{run.name}: output {tp['output_throughput'] or 0:.1f} tok/s, "
+                f"TTFT p50 {ttft['p50'] or 0:.0f} ms, p90 {ttft['p90'] or 0:.0f} ms")
+        else:
+            log(f"{run.name}: failed: {run.error}")
+
+
+if __name__ == "__main__":
+    main()
+
