@@ -61,7 +61,7 @@ def _policy(controller):
         from flying.placement import make_policy
 
         controller._flying_policy = make_policy(
-            controller.server_args.dp_size, controller.max_req_input_len + 1
+            controller.server_args.dp_size, controller.max_req_input_len
         )
     return controller._flying_policy
 

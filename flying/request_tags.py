@@ -68,7 +68,9 @@ def _policy(manager):
         from flying.placement import make_policy
 
         engines = max(get_config().degree_list() or [1])
-        _POLICY = make_policy(engines, manager.max_req_input_len + 1)
+        _POLICY = make_policy(
+            engines, manager.max_req_input_len, getattr(manager, "context_len", 0) or 0
+        )
     return _POLICY
 
 

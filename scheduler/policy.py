@@ -63,12 +63,26 @@ class EngineLoad:
 
 @dataclass(frozen=True)
 class Node:
+    """The node's shape and KV limits, in tokens (prompt + max_new_tokens).
+
+    A DP request is bounded by SGLang's own per-engine limit (``engine_capacity``, a few
+    tokens under the pool size). A TP-m group pools m engines' KV slots
+    (``engine_slots`` each) less ``group_slack`` tokens of admission headroom, and no
+    group goes beyond the model's context length (``context_limit``; 0 = unbounded).
+    """
+
     num_engines: int
     degrees: tuple[int, ...]  # allowed TP degrees, ascending
-    engine_capacity: int  # KV tokens one engine can give a single request
+    engine_capacity: int  # tokens one engine admits for a single DP request
+    engine_slots: int = 0  # KV slots per engine (0: same as engine_capacity)
+    group_slack: int = 0  # tokens a TP group keeps free for admission headroom
+    context_limit: int = 0  # the model's context length; 0 = no limit
 
     def capacity(self, degree: int) -> int:
-        return self.engine_capacity * degree
+        if degree <= 1:
+            return self.engine_capacity
+        pooled = (self.engine_slots or self.engine_capacity) * degree - self.group_slack
+        return min(pooled, self.context_limit) if self.context_limit else pooled
 
 
 @dataclass(frozen=True)
@@ -150,5 +164,5 @@ class Policy:
         return (
             f"prompt + max_new_tokens = {tokens} tokens exceeds the node's KV capacity: "
             f"{self.node.capacity(largest)} tokens with the largest TP degree {largest} "
-            f"({self.node.engine_capacity} per engine)"
+            f"({self.node.engine_capacity} for one engine)"
         )

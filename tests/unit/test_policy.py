@@ -136,3 +136,17 @@ def test_invalid_config():
         PolicyConfig(policy="fast").validate()
     with pytest.raises(ValueError):
         PolicyConfig(light_load=2, heavy_load=1).validate()
+
+
+def test_group_capacity_pools_kv_slots_not_the_dp_input_limit():
+    """A TP-m group holds m engines' KV slots (less the admission slack), which is more
+    than m x SGLang's per-engine input limit; the context length caps every group."""
+    node = Node(2, (2,), engine_capacity=2043, engine_slots=2048, group_slack=4)
+    assert node.capacity(1) == 2043
+    assert node.capacity(2) == 4092
+    p = Policy(PolicyConfig("static-dp").validate(), node)
+    assert p.decide(Request(4080, 8)) == Decision("tp", 2, "long context")
+    assert p.decide(Request(4080, 16)).mode == "reject"
+    capped = Node(2, (2,), engine_capacity=2043, engine_slots=2048, context_limit=3000)
+    assert capped.capacity(2) == 3000
+    assert Policy(PolicyConfig().validate(), capped).decide(Request(2990, 20)).mode == "reject"
