@@ -80,6 +80,11 @@ def fill_defaults(argv: list[str], cfg: flying_config.FlyingConfig, on_cpu: bool
                 CPU_DEFAULT_MAX_TOTAL_TOKENS,
             )
             argv += ["--max-total-tokens", str(CPU_DEFAULT_MAX_TOTAL_TOKENS)]
+        if not _has_flag(argv, "--sleep-on-idle"):
+            # An idle SGLang scheduler busy-polls a core; with 2 engines on 2 cores that
+            # starves everything else on the machine. Sleeping wakes on the next message.
+            logger.info("CPU platform: adding --sleep-on-idle")
+            argv.append("--sleep-on-idle")
     return argv
 
 
@@ -122,7 +127,7 @@ def add_routes(num_engines: int) -> None:
     from fastapi.responses import JSONResponse
     from sglang.srt.entrypoints.http_server import app
 
-    from flying import status
+    from flying import metrics, status
 
     async def flying_status():
         doc = status.read_all(_STORE, num_engines) if _STORE is not None else {"engines": []}
@@ -130,6 +135,10 @@ def add_routes(num_engines: int) -> None:
         return JSONResponse(doc)
 
     app.add_api_route("/flying/status", flying_status, methods=["GET"])
+    metrics.mount(
+        app,
+        lambda: status.read_all(_STORE, num_engines) if _STORE is not None else {"engines": []},
+    )
 
 
 _STORE = None

@@ -36,3 +36,15 @@ def dp2_server(demo_model_dir: Path, tmp_path_factory) -> Server:
         yield server
     finally:
         server.stop()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Unit tests first; then integration modules that start their own servers, before
+    the shared ``dp2_server`` comes up, so two servers never compete for the 2 cores."""
+
+    def tier(item) -> int:
+        if item.get_closest_marker("integration") is None:
+            return 0
+        return 2 if "dp2_server" in getattr(item, "fixturenames", ()) else 1
+
+    items.sort(key=tier)

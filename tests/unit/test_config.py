@@ -46,7 +46,7 @@ def test_fill_defaults_on_cpu_keeps_explicit_flags(tmp_path):
     cfg = config.FlyingConfig()
     out = fill_defaults(["--model-path", str(tmp_path)], cfg, on_cpu=True)
     assert out[out.index("--dtype") + 1] == "float32"
-    assert "--max-total-tokens" in out
+    assert "--max-total-tokens" in out and "--sleep-on-idle" in out
     out = fill_defaults(
         ["--model-path", str(tmp_path), "--dtype", "bfloat16", "--max-total-tokens=64"],
         cfg,
