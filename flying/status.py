@@ -43,6 +43,6 @@ def read_all(store, num_engines: int) -> dict:
     groups = sorted({e["mode"] for e in engines if str(e.get("mode", "")).startswith("tp")})
     totals = {
         k: sum(e.get(k, 0) for e in engines)
-        for k in ("binds", "releases", "aborted_binds", "preempted_dp_requests")
+        for k in ("binds", "releases", "aborted_binds", "preempted_dp_requests", "tp_requests")
     }
     return {"engines": engines, "bound_modes": groups, "totals": totals}

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+from flying.metrics import count_finished
 from flying.request_tags import degree_of, place, placement, tag_request
 
 
@@ -43,3 +44,5 @@ async def handle_batch_output(original, manager, recv_obj):
             info = placement(degree_of(state.obj), meta.get("dp_rank"))
             if info is not None:
                 meta["flying"] = info
+                if meta.get("finish_reason") is not None:
+                    count_finished(info["mode"], getattr(state.obj, "priority", None))
