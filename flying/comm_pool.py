@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from flying.layout import Group, group_containing
+from flying.shm_allreduce import ShmAllReduce
 
 logger = logging.getLogger(__name__)
 
@@ -52,14 +53,22 @@ def connect_store(address: str, timeout_s: float = 60.0):
 
 @dataclass
 class Member:
-    """One engine's handle on one group: its process group and its rank inside it."""
+    """One engine's handle on one group: its process group and its rank inside it.
+
+    ``shm`` is the group's shared-memory all-reduce (CPU members on one host; None
+    elsewhere): the per-layer reductions of a TP step and the per-step control
+    exchange go through it, gloo (``pg``) carries the rest.
+    """
 
     group: Group
     tp_rank: int
     pg: dist.ProcessGroup
+    shm: ShmAllReduce | None = None
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """In-place sum over the group. Result is bit-identical on every member."""
+        if self.shm is not None and t.is_cpu and self.shm.can_reduce(t):
+            return self.shm.all_reduce_(t)
         self.pg.allreduce([t]).wait()
         return t
 
@@ -68,6 +77,29 @@ class Member:
         opts.rootRank = src_tp_rank
         self.pg.broadcast([t], opts).wait()
         return t
+
+    def share_ints(self, values: list[int], n: int) -> list[int]:
+        """The leader's ``values`` (n non-negative ints < 2**63) on every member.
+
+        Members other than the leader pass anything of length n; it is ignored. Over
+        shared memory this is a sum in float32 of 16-bit chunks (exact: every chunk is
+        < 2**16 and all but the leader's are zero); otherwise a gloo broadcast.
+        """
+        mine = values if self.tp_rank == 0 else [0] * n
+        if self.shm is None:
+            return self.broadcast(torch.tensor(mine, dtype=torch.int64)).tolist()
+        chunks = [(v >> s) & 0xFFFF for v in mine for s in (0, 16, 32, 48)]
+        out = self.shm.all_reduce_(torch.tensor(chunks, dtype=torch.float32)).long().tolist()
+        return [sum(c << s for c, s in zip(out[i : i + 4], (0, 16, 32, 48), strict=True))
+                for i in range(0, 4 * n, 4)]
+
+    def min_int(self, value: int) -> int:
+        """The smallest ``value`` over the group (gloo; rare: admission steps only)."""
+        t = torch.tensor([value], dtype=torch.int64)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MIN
+        self.pg.allreduce([t], opts).wait()
+        return int(t[0])
 
 
 @dataclass
@@ -95,6 +127,7 @@ class CommPool:
             pg = dist.ProcessGroupGloo(sub, group.tp_rank(dp_rank), m, COLLECTIVE_TIMEOUT)
             member = Member(group, group.tp_rank(dp_rank), pg)
             member.all_reduce(torch.ones(1))  # prewarm: connections are made here
+            member.shm = ShmAllReduce.create(pg, member.tp_rank, m, label=group.name)
             pool.members[m] = member
         pool.setup_s = time.perf_counter() - t0
         pool.rss_delta_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0

@@ -21,10 +21,11 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-import torch
-
+from flying import admission
 from flying.comm_pool import CommPool
 from flying.messages import Bind
+from flying.metrics import SWITCH_BUCKETS_MS, bucket_index
+from flying.placement import ADMISSION_SLACK
 
 logger = logging.getLogger(__name__)
 
@@ -32,11 +33,11 @@ logger = logging.getLogger(__name__)
 DEFAULT_BIND_TIMEOUT_S = 30.0
 #: Upper bound on steps in one session (a guard against a scheduling bug, not a limit).
 MAX_SESSION_STEPS = 1_000_000
-#: Tokens reserved beyond prompt + max_new_tokens: SGLang's admission keeps one page
-#: per request and one slot of headroom (strict ``<``) free.
-ADMISSION_SLACK = 4
 #: Consecutive steps without a batch after which a session is declared stuck.
 MAX_IDLE_STEPS = 50
+#: A session admits newly arriving requests for this long, then drains and releases,
+#: so that the members' paused DP work gets its turn.
+MAX_ADMIT_S = 2.0
 
 
 @dataclass
@@ -45,6 +46,11 @@ class EngineCounters:
     releases: int = 0
     aborted_binds: int = 0
     preempted_dp_requests: int = 0
+    tp_requests: int = 0
+    #: switch latency (bind taken at a step boundary -> group ready) histogram, counts
+    #: per ``metrics.SWITCH_BUCKETS_MS`` bucket (+Inf last), and the sum in ms
+    switch_hist: list[int] = field(default_factory=lambda: [0] * (len(SWITCH_BUCKETS_MS) + 1))
+    switch_ms_sum: float = 0.0
     last_switch_ms: dict[str, float] = field(default_factory=dict)
 
 
@@ -54,6 +60,8 @@ class FlyingEngine:
         self.pool = pool
         self.bind_timeout_s = bind_timeout_s
         self.pending: deque[Bind] = deque()
+        #: Non-bind input received during a session; handed to SGLang after it.
+        self.deferred: list = []
         self.counters = EngineCounters()
         self.mode = "dp"
         self.in_session = False
@@ -62,9 +70,24 @@ class FlyingEngine:
         self.pending.append(bind)
 
     def run_pending(self, scheduler, next_batch) -> None:
-        """Run every pending bind in arrival order (the controller's total order)."""
-        while self.pending:
+        """Run the oldest pending bind (the controller's total order) as one session.
+
+        One session per step boundary: the paused DP batch steps in between, so a stream
+        of TP requests delays DP work but never starves it.
+        """
+        if self.pending:
             self._run(scheduler, self.pending.popleft(), next_batch)
+        if self.deferred:
+            deferred, self.deferred = self.deferred, []
+            scheduler.process_input_requests(deferred)
+
+    def poll(self, scheduler) -> None:
+        """Receive input during a session: binds queue up, the rest waits for DP mode."""
+        for req in scheduler.request_receiver.recv_requests(local_reqs=[]):
+            if isinstance(req, Bind):
+                self.pending.append(req)
+            else:
+                self.deferred.append(req)
 
     # -- one session ----------------------------------------------------------------
 
@@ -74,8 +97,7 @@ class FlyingEngine:
         t0 = time.perf_counter()
         degree = bind.degree
         is_leader = self.dp_rank == bind.ranks[0]
-        need = len(bind.req.input_ids) + bind.req.sampling_params.max_new_tokens + ADMISSION_SLACK
-        reservation = tp_scope.reserve_for(scheduler, need, degree)
+        reservation = tp_scope.reserve_for(scheduler, tokens_needed(bind), degree)
         decision = (
             self.pool.rendezvous(bind.bind_id, degree, reservation is not None, self.bind_timeout_s)
             if self.pool is not None
@@ -95,19 +117,24 @@ class FlyingEngine:
         self.counters.binds += 1
         self.counters.preempted_dp_requests += len(scheduler.running_batch.reqs)
         self.mode, self.in_session = f"tp{degree}", True
+        session = None
         try:
-            with tp_scope.session_scope(scheduler, member, reservation, is_leader):
+            with tp_scope.session_scope(scheduler, member, reservation, is_leader) as session:
                 t_scope = time.perf_counter()
                 logger.info(
                     "flying: engine %d -> TP-%d group %s (bind %s, %d DP requests paused)",
                     self.dp_rank, degree, list(bind.ranks), bind.bind_id, paused,
                 )
                 scheduler.handle_generate_request(bind.req)
-                self._steps(scheduler, member, next_batch)
+                admitted = 1 + self._steps(scheduler, member, bind, session, next_batch)
         finally:
-            tp_scope.release(scheduler, reservation)
+            if session is not None:
+                session.release_all()
+            else:
+                tp_scope.release(scheduler, reservation)
             self.mode, self.in_session = "dp", False
         self.counters.releases += 1
+        self.counters.tp_requests += admitted
         t_end = time.perf_counter()
         self.counters.last_switch_ms = {
             "control_ms": max(0.0, (time.time() - bind.issued_at) * 1e3 - (t_end - t0) * 1e3),
@@ -115,26 +142,44 @@ class FlyingEngine:
             "scope_setup_ms": (t_scope - t_rdv) * 1e3,
             "session_ms": (t_end - t_scope) * 1e3,
         }
-        logger.info("flying: engine %d -> DP (bind %s released)", self.dp_rank, bind.bind_id)
+        switch_ms = (t_scope - t0) * 1e3
+        self.counters.switch_hist[bucket_index(switch_ms)] += 1
+        self.counters.switch_ms_sum += switch_ms
+        logger.info(
+            "flying: engine %d -> DP (bind %s released, %d TP requests served)",
+            self.dp_rank, bind.bind_id, admitted,
+        )
 
-    def _steps(self, scheduler, member, next_batch) -> None:
-        """SGLang's own loop body (``event_loop_normal``) until the session is drained.
+    def _steps(self, scheduler, member, bind: Bind, session, next_batch) -> int:
+        """SGLang's own loop body (``event_loop_normal``) until the session is drained;
+        returns how many further requests joined the session.
 
-        Ends only on an empty plan with nothing waiting or running: a finished prefill
-        batch is merged into the running batch by the *next* ``get_next_batch_to_run``.
+        Every step the leader shares its batch signature (lockstep check) and the ids of
+        binds for this same group that it has received, in order; at the next step
+        boundary every member admits them into the running session (continuous
+        batching inside the group). The session ends only on an empty plan with nothing
+        waiting, running or announced: all three are the same on every member.
         """
-        idle = 0
+        idle, joined, announced = 0, 0, []
+        t_start = time.monotonic()
         for _ in range(MAX_SESSION_STEPS):
+            if announced:
+                joined += admission.admit(self, scheduler, member, session, announced)
             plan = next_batch(
                 scheduler, running_batch=scheduler.running_batch, last_batch=scheduler.last_batch
             )
             scheduler.running_batch = plan.running_batch
             batch = plan.batch_to_run
-            _check_lockstep(member, batch)
             scheduler.last_batch = batch
+            self.poll(scheduler)
+            offering = session.admitting and time.monotonic() - t_start < MAX_ADMIT_S
+            offer = admission.candidates(self.pending, bind) if offering else []
+            announced = _exchange(member, batch, offer)
             if batch is None:
                 if not scheduler.waiting_queue and scheduler.running_batch.is_empty():
-                    return
+                    if not announced:
+                        return joined
+                    continue
                 idle += 1
                 if idle >= MAX_IDLE_STEPS:
                     raise RuntimeError(f"flying: TP session made no progress: {_describe(scheduler)}")
@@ -143,6 +188,11 @@ class FlyingEngine:
             result = scheduler.run_batch(batch)
             scheduler.process_batch_result(batch, result)
         raise RuntimeError("flying: TP session did not finish")
+
+
+def tokens_needed(bind: Bind) -> int:
+    """KV tokens one TP request of ``bind`` may use: prompt + max_new_tokens + slack."""
+    return len(bind.req.input_ids) + bind.req.sampling_params.max_new_tokens + ADMISSION_SLACK
 
 
 def _describe(scheduler) -> str:
@@ -158,22 +208,25 @@ def _describe(scheduler) -> str:
     )
 
 
-def _signature(batch) -> torch.Tensor:
+def _signature(batch) -> list[int]:
     if batch is None:
-        return torch.zeros(3, dtype=torch.int64)
+        return [0, 0, 0]
     lens = sum(len(r.origin_input_ids) + len(r.output_ids) for r in batch.reqs)
-    return torch.tensor([len(batch.reqs), lens, int(batch.forward_mode.value) + 1])
+    return [len(batch.reqs), lens, int(batch.forward_mode.value) + 1]
 
 
-def _check_lockstep(member, batch) -> None:
-    """All members must run the same batch shape; compare with the leader's."""
+def _exchange(member, batch, offer: list[int]) -> list[int]:
+    """One collective per step: check that every member formed the leader's batch, and
+    learn the bind ids the leader offers for admission at the next boundary."""
     mine = _signature(batch)
-    leader = member.broadcast(mine.clone(), 0)
-    if not torch.equal(mine, leader):
+    padded = [len(offer), *offer, *[0] * (admission.MAX_PER_STEP - len(offer))]
+    shared = member.share_ints(mine + padded, 4 + admission.MAX_PER_STEP)
+    if shared[:3] != mine:
         raise RuntimeError(
-            f"flying: TP group out of lockstep: leader batch {leader.tolist()}, "
-            f"member {member.tp_rank} batch {mine.tolist()}"
+            f"flying: TP group out of lockstep: leader batch {shared[:3]}, "
+            f"member {member.tp_rank} batch {mine}"
         )
+    return shared[4 : 4 + shared[3]]
 
 
 _ENGINE: FlyingEngine | None = None

@@ -141,21 +141,60 @@ def _attrs(obj) -> dict[str, object]:
     return out
 
 
+@dataclasses.dataclass
+class Session:
+    """A bound session's KV bookkeeping on one member.
+
+    ``reservations`` are the DP slots lent to the session (one per admitted request);
+    their TP sub-slots are the TP allocator's whole supply, and ``capacity`` (their
+    count) is what the scheduler sees as its pool while the session runs. Invariant:
+    ``capacity == sum(r.tp_slots.numel() for r in reservations)``.
+    """
+
+    scheduler: object
+    dp_allocator: object
+    tp_allocator: object
+    reservations: list
+    capacity: int = 0
+    admitting: bool = True  # False once an offered request could not be admitted
+
+    def grow(self, reservation) -> None:
+        """Add a reservation's sub-slots to the TP allocator (between steps only)."""
+        self.reservations.append(reservation)
+        self.tp_allocator.free(reservation.tp_slots)
+        self._set_capacity(self.capacity + int(reservation.tp_slots.numel()))
+
+    def _set_capacity(self, capacity: int) -> None:
+        self.capacity = capacity
+        for name in ("max_total_num_tokens", "max_req_len", "max_req_input_len"):
+            setattr(self.scheduler, name, capacity - (name != "max_total_num_tokens"))
+
+    def release_all(self) -> None:
+        """Give every reserved DP slot back to the engine (after the scope is left)."""
+        for res in self.reservations:
+            kv_adaptor.release(self.dp_allocator, res)
+        self.reservations = []
+
+
 @contextlib.contextmanager
-def session_scope(scheduler, member, reservation, is_leader: bool) -> Iterator[None]:
+def session_scope(scheduler, member, reservation, is_leader: bool) -> Iterator[Session]:
+    """TP mode for one bound session; yields its ``Session``. The caller releases the
+    reservations (``Session.release_all``) after leaving the scope."""
     from sglang.srt.managers.schedule_batch import ScheduleBatch
 
     runner = _runner(scheduler)
     degree = member.group.degree
     shards = shards_for(runner.model, degree, member.tp_rank)
     tp_pool = tp_pool_for(runner.token_to_kv_pool, degree)
-    allocator = kv_adaptor.make_tp_allocator(scheduler.token_to_kv_pool_allocator, tp_pool, reservation)
+    dp_allocator = scheduler.token_to_kv_pool_allocator
+    allocator = kv_adaptor.make_tp_allocator(dp_allocator, tp_pool, reservation)
     cache = _disabled_cache(scheduler, allocator)
     capacity = int(reservation.tp_slots.numel())
+    session = Session(scheduler, dp_allocator, allocator, [reservation], capacity)
     streamer = scheduler.output_streamer
     swaps = _references(
         scheduler,
-        {id(scheduler.tree_cache): cache, id(scheduler.token_to_kv_pool_allocator): allocator},
+        {id(scheduler.tree_cache): cache, id(dp_allocator): allocator},
     )
     swaps += [
         (runner, "token_to_kv_pool", tp_pool),
@@ -165,6 +204,7 @@ def session_scope(scheduler, member, reservation, is_leader: bool) -> Iterator[N
         (scheduler, "last_batch", None),
         (scheduler, "chunked_req", None),
         (scheduler, "max_total_num_tokens", capacity),
+        (scheduler, "max_req_len", capacity - 1),
         (scheduler, "max_req_input_len", capacity - 1),
     ]
     if not is_leader:
@@ -173,4 +213,4 @@ def session_scope(scheduler, member, reservation, is_leader: bool) -> Iterator[N
         # The backend reads the pool at construction, so it is built inside the swap.
         with _swap([(runner, "attn_backend", type(runner.attn_backend)(runner))]):
             with tp_layers(shards, member.all_reduce):
-                yield
+                yield session

@@ -83,7 +83,7 @@ def test_priority_request_preempts_and_dp_requests_resume_exactly(dp2_server, de
     in a TP-2 group at once (hard preemption); the normal requests are paused with
     their KV kept and finish with exactly the tokens they produce alone."""
     dp_prompts = prompts(2, 20, seed=4)
-    n_dp = 160
+    n_dp = 480  # long enough to still be decoding when the priority request comes
     results: dict[int, dict] = {}
 
     def run(i):
@@ -93,7 +93,7 @@ def test_priority_request_preempts_and_dp_requests_resume_exactly(dp2_server, de
     threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
     for t in threads:
         t.start()
-    time.sleep(1.0)  # both DP requests are decoding now
+    time.sleep(0.5)  # both DP requests are decoding now
     tp_ids = prompts(1, 13, seed=5)[0]
     tp = _generate(dp2_server, tp_ids, 24, headers={"X-Priority": "high"})
     assert tp["meta_info"]["flying"]["mode"] == "tp"
@@ -127,3 +127,11 @@ def test_kv_slots_return_to_initial_count(dp2_server):
         assert e["mode"] == "dp"
         assert e["free_kv_slots"] == e["total_kv_slots"] == MAX_TOTAL_TOKENS, e
     assert doc["totals"]["binds"] == doc["totals"]["releases"] > 0
+
+
+def test_prometheus_series_next_to_sglangs(dp2_server):
+    _generate(dp2_server, [5, 6, 7], 2, headers=TP2)
+    text = requests.get(dp2_server.url + "/metrics", timeout=30).text
+    assert 'flying_engine_tp_degree{engine="0"}' in text
+    assert "flying_binds_total" in text and "flying_switch_latency_seconds_bucket" in text
+    assert 'flying_requests_total{mode="tp",priority="0"}' in text

@@ -54,3 +54,53 @@ def test_leader_late_means_member_aborts_and_leader_agrees():
     res = _run(delays={0: [2.5], 1: [0.0]}, binds=["c"])
     assert res[0][1] == res[1][1]
     assert res[1][1].startswith("abort:")
+
+
+def _control(address, rank, out):
+    pool = CommPool.create(address, rank, 2, [2], prefix="ctl")
+    m = pool.member(2)
+    big = [0, 1, 2**16 - 1, 2**16, 2**47 + 12345, 0xFFFFFFFFFFFF]
+    mine = big if rank == 0 else [7] * len(big)
+    out.put((rank, {
+        "shm": m.shm is not None,
+        "shared": m.share_ints(mine, len(big)),
+        "min": m.min_int(5 if rank == 0 else 3),
+    }))
+
+
+def test_share_ints_is_exact_and_min_agrees():
+    """The per-step control exchange (leader's ints through shared memory) is exact for
+    48-bit bind ids; the admission agreement is a MIN over members."""
+    store, address = host_store()
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_control, args=(address, r, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    res = dict(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+    del store
+    want = [0, 1, 2**16 - 1, 2**16, 2**47 + 12345, 0xFFFFFFFFFFFF]
+    for r in (0, 1):
+        assert res[r]["shm"]
+        assert res[r]["shared"] == want
+        assert res[r]["min"] == 3
+
+
+def test_admission_offers_only_the_head_of_the_queue_for_the_same_group():
+    from collections import deque
+
+    from flying.admission import MAX_PER_STEP, bind_key, candidates
+    from flying.messages import Bind
+
+    def b(i, ranks=(0, 1)):
+        return Bind(f"{i:012x}", len(ranks), ranks, req=None, issued_at=0.0)
+
+    session = b(0)
+    q = deque([b(1), b(2), b(3, (0, 1, 2, 3)), b(4)])
+    assert candidates(q, session) == [1, 2]  # stops at the bind for another group
+    assert candidates(deque([b(9, (2, 3))]), session) == []
+    many = deque(b(i) for i in range(1, 20))
+    assert candidates(many, session) == list(range(1, MAX_PER_STEP + 1))
+    assert bind_key(b(0xABCDEF)) == 0xABCDEF

@@ -1,0 +1,96 @@
+"""Admitting requests into a running TP session (continuous batching inside a group).
+
+Without this, a bound group serves one request per bind and every further TP request
+waits for the release, a new rendezvous and a new session: under a stream of TP
+requests the group runs one request at a time. Here the leader offers, at each step,
+the binds for the *same group* that have reached it (a contiguous prefix of its
+pending queue, so the controller's total order is kept), and at the next step boundary
+every member admits them:
+
+1. each member waits (bounded) until it has received the offered binds: the controller
+   sent them to every member, so they are in flight, not missing;
+2. each member reserves the DP slots each one needs from its own engine allocator
+   (no eviction inside a session: the DP prefix cache is swapped out);
+3. the members agree on the number that every member could reserve (a MIN), give back
+   the rest, and hand exactly those requests to SGLang in the same order.
+
+Lockstep is preserved: every member admits the same requests, with the same number of
+TP slots each, at the same step, so SGLang forms identical batches. A bind that could
+not be admitted closes admission for the rest of the session; it runs in its own
+session after the release, in order.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+
+from flying import kv_adaptor
+from flying.messages import Bind
+
+logger = logging.getLogger(__name__)
+
+#: Binds offered per step (fixed width of the per-step exchange).
+MAX_PER_STEP = 8
+#: How long a member waits for an offered bind to arrive on its socket.
+ARRIVAL_TIMEOUT_S = 5.0
+
+
+def bind_key(bind: Bind) -> int:
+    """The bind id as a non-negative int (48 bits: 12 hex digits)."""
+    return int(bind.bind_id, 16)
+
+
+def candidates(pending: deque[Bind], session_bind: Bind) -> list[int]:
+    """Ids of the pending binds at the head of the queue for the session's own group."""
+    out = []
+    for b in pending:
+        if b.ranks != session_bind.ranks or b.degree != session_bind.degree:
+            break
+        out.append(bind_key(b))
+        if len(out) == MAX_PER_STEP:
+            break
+    return out
+
+
+def _take(engine, scheduler, keys: list[int]) -> list[Bind]:
+    """The pending binds with these keys, in order; waits for late arrivals (bounded).
+    Returns a prefix: the binds found before the first one that never arrived."""
+    deadline = time.monotonic() + ARRIVAL_TIMEOUT_S
+    found: list[Bind] = []
+    for key in keys:
+        while True:
+            bind = next((b for b in engine.pending if bind_key(b) == key), None)
+            if bind is not None:
+                found.append(bind)
+                break
+            if time.monotonic() > deadline:
+                logger.warning("flying: offered bind %x did not arrive; admitting fewer", key)
+                return found
+            engine.poll(scheduler)
+            time.sleep(0.0005)
+    return found
+
+
+def admit(engine, scheduler, member, session, keys: list[int]) -> int:
+    """Admit the offered binds on this member; returns how many joined (same on all)."""
+    from flying.engine import tokens_needed
+
+    binds = _take(engine, scheduler, keys)
+    reservations = []
+    for bind in binds:
+        res = kv_adaptor.reserve(session.dp_allocator, tokens_needed(bind), bind.degree)
+        if res is None:
+            break
+        reservations.append(res)
+    agreed = member.min_int(len(reservations))
+    for res in reservations[agreed:]:
+        kv_adaptor.release(session.dp_allocator, res)
+    if agreed < len(keys):
+        session.admitting = False  # the rest run in their own sessions, in order
+    for bind, res in zip(binds[:agreed], reservations[:agreed], strict=True):
+        engine.pending.remove(bind)
+        session.grow(res)
+        scheduler.handle_generate_request(bind.req)
+    return agreed
