@@ -119,8 +119,9 @@ async def send_request(
 ) -> None:
     """Wait for ``req``'s arrival time (clock origin ``t0``), send it, fill ``rec``."""
     delay = t0 + req.arrival_s - time.perf_counter()
-    if delay > 0:
+    while delay > 0:  # asyncio's timer may wake a little early: never send before arrival
         await asyncio.sleep(delay)
+        delay = t0 + req.arrival_s - time.perf_counter()
     ids = req.input_ids or token_ids_for(req.index, req.prompt_len, seed, token_id_range)
     payload = build_payload(backend, req, ids, model)
     start = time.perf_counter()

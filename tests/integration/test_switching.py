@@ -30,6 +30,20 @@ def _status(server):
     return requests.get(server.url + "/flying/status", timeout=30).json()
 
 
+def _settled_status(server, timeout=30):
+    """Status once every session has been released and published (an HTTP answer can
+    arrive before its session's release is published)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        doc = _status(server)
+        engines = doc["engines"]
+        if all(e["mode"] == "dp" for e in engines) and len({e["binds"] for e in engines}) == 1:
+            if doc["totals"]["binds"] == doc["totals"]["releases"]:
+                return doc
+        assert time.monotonic() < deadline, f"sessions did not settle: {doc}"
+        time.sleep(0.2)
+
+
 def _wait_idle_status(server, timeout=30):
     """Wait until every engine reports all KV slots free."""
     deadline = time.monotonic() + timeout
@@ -64,7 +78,7 @@ def test_tp_on_openai_endpoints(dp2_server):
 
 
 def test_bad_headers_are_400_and_change_nothing(dp2_server):
-    before = _status(dp2_server)["totals"]["binds"]
+    before = _settled_status(dp2_server)["totals"]["binds"]
     bad = [("X-Flying-TP", "3"), ("X-Flying-TP", "8"), ("X-Flying-TP", "two"),
            ("X-Priority", "urgent!")]
     for header, value in bad:
@@ -75,7 +89,7 @@ def test_bad_headers_are_400_and_change_nothing(dp2_server):
         )
         assert resp.status_code == 400, (value, resp.text)
         assert header in resp.text or "priority" in resp.text
-    assert _status(dp2_server)["totals"]["binds"] == before
+    assert _settled_status(dp2_server)["totals"]["binds"] == before
 
 
 def test_priority_request_preempts_and_dp_requests_resume_exactly(dp2_server, demo_model_dir):
