@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field, fields
 ENV_VAR = "FLYING_CONFIG"
 
 PLATFORMS = ("auto", "cpu", "native")
+PREEMPT_MODES = ("hard", "soft")
 
 
 class ConfigError(ValueError):
@@ -43,8 +44,12 @@ class FlyingConfig:
     bind_timeout_s: float = 30.0
     #: Global scheduler policy: adaptive, static-dp, static-tp or manual.
     policy: str = "adaptive"
-    #: Requests with priority >= this run in the largest TP group (hard preemption).
+    #: Requests with priority >= this run in the largest TP group.
     priority_threshold: int = 1
+    #: How a bind treats the members' running DP requests: "hard" pauses them with their
+    #: KV kept (latency first); "soft" lets them finish first, admitting no new DP work
+    #: on the members meanwhile (throughput first).
+    preempt: str = "hard"
     #: Adaptive policy: enter TP below this many requests per engine...
     light_load: float = 0.5
     #: ...and go back to DP above this many.
@@ -66,6 +71,10 @@ class FlyingConfig:
 
         if self.policy not in POLICIES:
             raise ConfigError(f"--flying-policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.preempt not in PREEMPT_MODES:
+            raise ConfigError(
+                f"--flying-preempt must be one of {', '.join(PREEMPT_MODES)}, got {self.preempt!r}"
+            )
         if not 0 <= self.light_load <= self.heavy_load:
             raise ConfigError(
                 "--flying-light-load and --flying-heavy-load need 0 <= light <= heavy, got "
@@ -111,12 +120,17 @@ _HELP = {
     "bind_timeout_s": "Seconds a bind waits for all group members before it fails.",
     "policy": "Scheduler policy: adaptive, static-dp, static-tp, or manual (headers only).",
     "priority_threshold": "Priority at or above which a request runs in the largest TP group.",
+    "preempt": "hard: pause members' DP requests (KV kept) for a bind; soft: let them finish first.",
     "light_load": "Adaptive policy: requests per engine below which engines group into TP.",
     "heavy_load": "Adaptive policy: requests per engine above which engines return to DP.",
 }
 
 
-_CHOICES = {"platform": PLATFORMS, "policy": ("adaptive", "static-dp", "static-tp", "manual")}
+_CHOICES = {
+    "platform": PLATFORMS,
+    "policy": ("adaptive", "static-dp", "static-tp", "manual"),
+    "preempt": PREEMPT_MODES,
+}
 
 
 def _flag(name: str) -> str:

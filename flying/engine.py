@@ -55,10 +55,17 @@ class EngineCounters:
 
 
 class FlyingEngine:
-    def __init__(self, dp_rank: int, pool: CommPool | None, bind_timeout_s: float):
+    def __init__(
+        self, dp_rank: int, pool: CommPool | None, bind_timeout_s: float, preempt: str = "hard"
+    ):
         self.dp_rank = dp_rank
         self.pool = pool
         self.bind_timeout_s = bind_timeout_s
+        self.preempt = preempt
+        #: Soft preemption: this engine is finishing its running DP requests (admitting
+        #: none) for the bind at the head of ``pending``; ``drained`` once it has.
+        self.draining = False
+        self.drained = False
         self.pending: deque[Bind] = deque()
         #: Non-bind input received during a session; handed to SGLang after it.
         self.deferred: list = []
@@ -75,11 +82,24 @@ class FlyingEngine:
         One session per step boundary: the paused DP batch steps in between, so a stream
         of TP requests delays DP work but never starves it.
         """
-        if self.pending:
+        if self.pending and self._may_start(self.pending[0]):
+            self.draining = self.drained = False
             self._run(scheduler, self.pending.popleft(), next_batch)
         if self.deferred:
             deferred, self.deferred = self.deferred, []
             scheduler.process_input_requests(deferred)
+
+    def _may_start(self, bind: Bind) -> bool:
+        """Hard preemption: always. Soft: once every member has drained its DP work
+        for this bind (each announces it in the store; checking never blocks)."""
+        if self.preempt != "soft" or self.pool is None:
+            return True
+        self.draining = True
+        if not self.drained:
+            return False
+        base = f"flying/drain/{bind.bind_id}"
+        self.pool.store.set(f"{base}/{self.dp_rank}", "1")
+        return self.pool.store.check([f"{base}/{r}" for r in bind.ranks])
 
     def poll(self, scheduler) -> None:
         """Receive input during a session: binds queue up, the rest waits for DP mode."""

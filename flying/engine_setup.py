@@ -25,13 +25,30 @@ def attach(scheduler) -> None:
     num_engines = get_parallel().dp_size
     prefix = address.replace(":", "_")
     pool = CommPool.create(address, dp_rank, num_engines, degrees, prefix=prefix)
-    engine = FlyingEngine(dp_rank, pool, cfg.bind_timeout_s)
+    engine = FlyingEngine(dp_rank, pool, cfg.bind_timeout_s, cfg.preempt)
     set_engine(engine)
     status.publish(pool.store, dp_rank, engine, scheduler)
 
 
 def run_pending(scheduler, engine: FlyingEngine, next_batch) -> None:
+    was_draining = engine.draining
     try:
         engine.run_pending(scheduler, next_batch)
     finally:
-        status.publish(engine.pool.store, engine.dp_rank, engine, scheduler)
+        # a draining step that started nothing changes nothing worth publishing
+        if not (was_draining and engine.draining):
+            status.publish(engine.pool.store, engine.dp_rank, engine, scheduler)
+
+
+def drain_step(scheduler, engine: FlyingEngine, next_batch, *args, **kwargs):
+    """Soft preemption: SGLang's step over the running DP requests only (the waiting
+    ones stay queued until after the session); marks the engine drained once nothing
+    runs. Requests SGLang retracts meanwhile go back to the real waiting queue."""
+    waiting, scheduler.waiting_queue = scheduler.waiting_queue, []
+    try:
+        plan = next_batch(scheduler, *args, **kwargs)
+    finally:
+        waiting.extend(scheduler.waiting_queue)
+        scheduler.waiting_queue = waiting
+    engine.drained = plan.batch_to_run is None and plan.running_batch.is_empty()
+    return plan

@@ -18,6 +18,7 @@ def publish(store, dp_rank: int, engine, scheduler=None) -> None:
         **(_kv_slots(scheduler) if scheduler is not None else {}),
         "degrees": sorted(engine.pool.members) if engine.pool else [],
         "pending_binds": len(engine.pending),
+        "draining": engine.draining,
         **asdict(engine.counters),
     }
     store.set(f"flying/status/{dp_rank}", json.dumps(doc))

@@ -3,7 +3,8 @@
 - ``__init__`` (after): give the engine its Flying state and communicator pool.
 - ``process_input_requests`` (around): take Flying's Bind messages out of the input
   batch (they arrive on the same socket as requests, so they are ordered with them).
-- ``get_next_batch_to_run`` (around): the step boundary; run pending TP sessions first.
+- ``get_next_batch_to_run`` (around): the step boundary; run pending TP sessions first
+  (under soft preemption, first drain the running DP requests).
 """
 
 from __future__ import annotations
@@ -32,4 +33,6 @@ def get_next_batch_to_run(original, scheduler, *args, **kwargs):
     engine = get_engine()
     if engine is not None and engine.pending and not engine.in_session:
         engine_setup.run_pending(scheduler, engine, original)
+        if engine.draining:  # soft preemption: finish running DP work, admit none
+            return engine_setup.drain_step(scheduler, engine, original, *args, **kwargs)
     return original(scheduler, *args, **kwargs)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,16 +20,15 @@ def demo_model_dir() -> Path:
     return ensure_demo_model()
 
 
-@pytest.fixture(scope="session")
-def dp2_server(demo_model_dir: Path, tmp_path_factory) -> Server:
-    """The demo model on 2 engines, started through ``python -m flying.launch``."""
-    log = tmp_path_factory.mktemp("dp2") / "server.log"
+def demo_server(model_dir: Path, log: Path, *extra: str) -> Iterator[Server]:
+    """The demo model on 2 engines through ``python -m flying.launch``, for a fixture.
+
+    Normal requests stay DP (``static-dp``: deterministic routing for the tests);
+    priority and long-context requests still switch to TP.
+    """
     server = Server(
-        ["--model-path", str(demo_model_dir), "--dp-size", "2",
-         "--max-total-tokens", str(MAX_TOTAL_TOKENS),
-         # normal requests stay DP (deterministic routing for the tests); priority and
-         # long-context requests still switch to TP
-         "--flying-policy", "static-dp"],
+        ["--model-path", str(model_dir), "--dp-size", "2",
+         "--max-total-tokens", str(MAX_TOTAL_TOKENS), "--flying-policy", "static-dp", *extra],
         log,
     )
     try:
@@ -36,6 +36,12 @@ def dp2_server(demo_model_dir: Path, tmp_path_factory) -> Server:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def dp2_server(demo_model_dir: Path, tmp_path_factory) -> Iterator[Server]:
+    """The shared server of the integration tier (hard preemption, the default)."""
+    yield from demo_server(demo_model_dir, tmp_path_factory.mktemp("dp2") / "server.log")
 
 
 def pytest_collection_modifyitems(config, items):

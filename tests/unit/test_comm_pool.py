@@ -24,13 +24,13 @@ def _member(address, rank, engines, binds, delays, out):
     out.put((rank, results))
 
 
-def _run(delays, binds):
+def _two_engines(target, *args) -> dict:
+    """Run ``target(address, rank, *args, out)`` in 2 spawned processes sharing a store;
+    returns {rank: result} from what each put on ``out``."""
     store, address = host_store()
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [
-        ctx.Process(target=_member, args=(address, r, 2, binds, delays, out)) for r in range(2)
-    ]
+    procs = [ctx.Process(target=target, args=(address, r, *args, out)) for r in range(2)]
     for p in procs:
         p.start()
     results = dict(out.get(timeout=120) for _ in procs)
@@ -38,6 +38,10 @@ def _run(delays, binds):
         p.join(timeout=30)
     del store
     return results
+
+
+def _run(delays, binds):
+    return _two_engines(_member, 2, binds, delays)
 
 
 def test_group_all_reduce_and_agreed_decisions():
@@ -71,16 +75,7 @@ def _control(address, rank, out):
 def test_share_ints_is_exact_and_min_agrees():
     """The per-step control exchange (leader's ints through shared memory) is exact for
     48-bit bind ids; the admission agreement is a MIN over members."""
-    store, address = host_store()
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_control, args=(address, r, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    res = dict(out.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(timeout=30)
-    del store
+    res = _two_engines(_control)
     want = [0, 1, 2**16 - 1, 2**16, 2**47 + 12345, 0xFFFFFFFFFFFF]
     for r in (0, 1):
         assert res[r]["shm"]

@@ -20,6 +20,9 @@ def test_invalid_values_name_the_flag():
         config.FlyingConfig(cpu_threads=-1).validate()
     with pytest.raises(config.ConfigError, match="--flying-platform"):
         config.FlyingConfig(platform="tpu").validate()
+    with pytest.raises(config.ConfigError, match="--flying-preempt"):
+        config.FlyingConfig(preempt="gentle").validate()
+    assert config.FlyingConfig(preempt="soft").validate().preempt == "soft"
 
 
 def test_unknown_setting_in_env_is_rejected():
