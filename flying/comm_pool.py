@@ -78,20 +78,24 @@ class Member:
         self.pg.broadcast([t], opts).wait()
         return t
 
-    def share_ints(self, values: list[int], n: int) -> list[int]:
-        """The leader's ``values`` (n non-negative ints < 2**63) on every member.
+    def share_ints(self, values: list[int], n: int, own: int = 0) -> tuple[list[int], int]:
+        """The leader's ``values`` (n non-negative ints < 2**63) on every member, and the
+        sum over members of ``own`` (a small non-negative int each member contributes).
 
         Members other than the leader pass anything of length n; it is ignored. Over
-        shared memory this is a sum in float32 of 16-bit chunks (exact: every chunk is
-        < 2**16 and all but the leader's are zero); otherwise a gloo broadcast.
+        shared memory this is one sum in float32 of 16-bit chunks (exact: every chunk is
+        < 2**16 and all but the leader's are zero); otherwise gloo (two collectives).
         """
         mine = values if self.tp_rank == 0 else [0] * n
         if self.shm is None:
-            return self.broadcast(torch.tensor(mine, dtype=torch.int64)).tolist()
+            shared = self.broadcast(torch.tensor(mine, dtype=torch.int64)).tolist()
+            return shared, int(self.all_reduce(torch.tensor([own], dtype=torch.int64))[0])
         chunks = [(v >> s) & 0xFFFF for v in mine for s in (0, 16, 32, 48)]
-        out = self.shm.all_reduce_(torch.tensor(chunks, dtype=torch.float32)).long().tolist()
-        return [sum(c << s for c, s in zip(out[i : i + 4], (0, 16, 32, 48), strict=True))
-                for i in range(0, 4 * n, 4)]
+        out = self.shm.all_reduce_(torch.tensor([*chunks, own], dtype=torch.float32))
+        out = out.long().tolist()
+        shared = [sum(c << s for c, s in zip(out[i : i + 4], (0, 16, 32, 48), strict=True))
+                  for i in range(0, 4 * n, 4)]
+        return shared, out[-1]
 
     def min_int(self, value: int) -> int:
         """The smallest ``value`` over the group (gloo; rare: admission steps only)."""

@@ -35,8 +35,9 @@ DEFAULT_BIND_TIMEOUT_S = 30.0
 MAX_SESSION_STEPS = 1_000_000
 #: Consecutive steps without a batch after which a session is declared stuck.
 MAX_IDLE_STEPS = 50
-#: A session admits newly arriving requests for this long, then drains and releases,
-#: so that the members' paused DP work gets its turn.
+#: Once a member has DP work waiting (paused, queued or newly arrived), a session
+#: admits new requests for at most this long, then drains and releases, so that the
+#: DP work gets its turn. With no DP work waiting, admission stays open.
 MAX_ADMIT_S = 2.0
 
 
@@ -180,7 +181,7 @@ class FlyingEngine:
         batching inside the group). The session ends only on an empty plan with nothing
         waiting, running or announced: all three are the same on every member.
         """
-        idle, joined, announced = 0, 0, []
+        idle, joined, announced, dp_waiting = 0, 0, [], 0
         t_start = time.monotonic()
         for _ in range(MAX_SESSION_STEPS):
             if announced:
@@ -192,9 +193,12 @@ class FlyingEngine:
             batch = plan.batch_to_run
             scheduler.last_batch = batch
             self.poll(scheduler)
-            offering = session.admitting and time.monotonic() - t_start < MAX_ADMIT_S
-            offer = admission.candidates(self.pending, bind) if offering else []
-            announced = _exchange(member, batch, offer)
+            # Admission stays open while no member has DP work waiting; once one has,
+            # for MAX_ADMIT_S more at most (hard preemption delays DP, never starves it).
+            if dp_waiting and time.monotonic() - t_start > MAX_ADMIT_S:
+                session.admitting = False
+            offer = admission.candidates(self.pending, bind) if session.admitting else []
+            announced, dp_waiting = _exchange(member, batch, offer, session.has_dp_work(self))
             if batch is None:
                 if not scheduler.waiting_queue and scheduler.running_batch.is_empty():
                     if not announced:
@@ -235,18 +239,21 @@ def _signature(batch) -> list[int]:
     return [len(batch.reqs), lens, int(batch.forward_mode.value) + 1]
 
 
-def _exchange(member, batch, offer: list[int]) -> list[int]:
-    """One collective per step: check that every member formed the leader's batch, and
-    learn the bind ids the leader offers for admission at the next boundary."""
+def _exchange(member, batch, offer: list[int], has_dp_work: bool) -> tuple[list[int], int]:
+    """One collective per step: check that every member formed the leader's batch, learn
+    the bind ids the leader offers for admission at the next boundary, and how many
+    members have DP work waiting."""
     mine = _signature(batch)
     padded = [len(offer), *offer, *[0] * (admission.MAX_PER_STEP - len(offer))]
-    shared = member.share_ints(mine + padded, 4 + admission.MAX_PER_STEP)
+    shared, waiting = member.share_ints(
+        mine + padded, 4 + admission.MAX_PER_STEP, own=int(has_dp_work)
+    )
     if shared[:3] != mine:
         raise RuntimeError(
             f"flying: TP group out of lockstep: leader batch {shared[:3]}, "
             f"member {member.tp_rank} batch {mine}"
         )
-    return shared[4 : 4 + shared[3]]
+    return shared[4 : 4 + shared[3]], waiting
 
 
 _ENGINE: FlyingEngine | None = None

@@ -157,6 +157,13 @@ class Session:
     reservations: list
     capacity: int = 0
     admitting: bool = True  # False once an offered request could not be admitted
+    dp_running: object = None  # the engine's paused DP batch (stashed, KV kept)
+    dp_waiting: list = dataclasses.field(default_factory=list)  # its stashed DP queue
+
+    def has_dp_work(self, engine) -> bool:
+        """Whether DP work waits for this session to end on this member."""
+        running = getattr(self.dp_running, "reqs", None)
+        return bool(running) or bool(self.dp_waiting) or bool(engine.deferred)
 
     def grow(self, reservation) -> None:
         """Add a reservation's sub-slots to the TP allocator (between steps only)."""
@@ -190,7 +197,10 @@ def session_scope(scheduler, member, reservation, is_leader: bool) -> Iterator[S
     allocator = kv_adaptor.make_tp_allocator(dp_allocator, tp_pool, reservation)
     cache = _disabled_cache(scheduler, allocator)
     capacity = int(reservation.tp_slots.numel())
-    session = Session(scheduler, dp_allocator, allocator, [reservation], capacity)
+    session = Session(
+        scheduler, dp_allocator, allocator, [reservation], capacity,
+        dp_running=scheduler.running_batch, dp_waiting=scheduler.waiting_queue,
+    )
     streamer = scheduler.output_streamer
     swaps = _references(
         scheduler,

@@ -67,7 +67,7 @@ def _control(address, rank, out):
     mine = big if rank == 0 else [7] * len(big)
     out.put((rank, {
         "shm": m.shm is not None,
-        "shared": m.share_ints(mine, len(big)),
+        "shared": m.share_ints(mine, len(big), own=rank + 1),
         "min": m.min_int(5 if rank == 0 else 3),
     }))
 
@@ -79,7 +79,7 @@ def test_share_ints_is_exact_and_min_agrees():
     want = [0, 1, 2**16 - 1, 2**16, 2**47 + 12345, 0xFFFFFFFFFFFF]
     for r in (0, 1):
         assert res[r]["shm"]
-        assert res[r]["shared"] == want
+        assert res[r]["shared"] == (want, 3)  # leader's values; own: 1 + 2
         assert res[r]["min"] == 3
 
 
