@@ -55,6 +55,18 @@ CPU_SMALL = BurstyConfig(
     burst_duration_s=15.0,
 )
 
+# Saturating CPU variant: bursts well above what 2 engines of the demo model decode, so
+# queues build up and load-adaptive switching has something to do.
+CPU_BURST = BurstyConfig(
+    num_requests=160,
+    prompt_range=(16, 192),
+    output_range=(32, 96),
+    low_rate_range=(0.5, 1.0),
+    burst_rate_range=(12.0, 20.0),
+    low_duration_s=10.0,
+    burst_duration_s=5.0,
+)
+
 # Share of latency-critical requests in the mixed-priority runs. The paper does not state it;
 # 20% keeps the priority class a minority (so binding TP groups for it is affordable) while
 # giving ~800 (paper) / 16 (cpu-small) samples for its percentiles.
@@ -99,6 +111,11 @@ PRESETS: dict[str, Preset] = {
         "CPU demo: 80 req, prompts U[16,192], outputs U[8,48], "
         "low 0.3-0.6 req/s / burst 2-4 req/s, 15 s phases",
         _bursty(CPU_SMALL),
+    ),
+    "cpu-burst": Preset(
+        "CPU saturating: 160 req, prompts U[16,192], outputs U[32,96], "
+        "low 0.5-1 req/s (10 s) / burst 12-20 req/s (5 s)",
+        _bursty(CPU_BURST),
     ),
     "cpu-small-priority": Preset(
         "cpu-small + 20% of requests high priority",
