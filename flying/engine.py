@@ -16,10 +16,13 @@ outputs to the detokenizer.
 
 from __future__ import annotations
 
+import datetime as _dt
 import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
+
+import torch.distributed as dist
 
 from flying import admission
 from flying.comm_pool import CommPool
@@ -39,6 +42,8 @@ MAX_IDLE_STEPS = 50
 #: admits new requests for at most this long, then drains and releases, so that the
 #: DP work gets its turn. With no DP work waiting, admission stays open.
 MAX_ADMIT_S = 2.0
+#: Soft preemption: how long a drained member waits for the others per step boundary.
+DRAIN_POLL_S = 0.2
 
 
 @dataclass
@@ -83,24 +88,33 @@ class FlyingEngine:
         One session per step boundary: the paused DP batch steps in between, so a stream
         of TP requests delays DP work but never starves it.
         """
-        if self.pending and self._may_start(self.pending[0]):
+        if self.pending and self._may_start(scheduler, self.pending[0]):
             self.draining = self.drained = False
             self._run(scheduler, self.pending.popleft(), next_batch)
         if self.deferred:
             deferred, self.deferred = self.deferred, []
             scheduler.process_input_requests(deferred)
 
-    def _may_start(self, bind: Bind) -> bool:
+    def _may_start(self, scheduler, bind: Bind) -> bool:
         """Hard preemption: always. Soft: once every member has drained its DP work
-        for this bind (each announces it in the store; checking never blocks)."""
+        for this bind. Each announces it in the store, then waits at most
+        ``DRAIN_POLL_S`` for the others (it has nothing else to run: new DP work is
+        held back while draining), so a wait never blocks an engine for long."""
         if self.preempt != "soft" or self.pool is None:
             return True
         self.draining = True
+        self.drained = self.drained or _nothing_running(scheduler)
         if not self.drained:
             return False
         base = f"flying/drain/{bind.bind_id}"
         self.pool.store.set(f"{base}/{self.dp_rank}", "1")
-        return self.pool.store.check([f"{base}/{r}" for r in bind.ranks])
+        try:
+            self.pool.store.wait(
+                [f"{base}/{r}" for r in bind.ranks], _dt.timedelta(seconds=DRAIN_POLL_S)
+            )
+        except (RuntimeError, dist.DistStoreError):
+            return False
+        return True
 
     def poll(self, scheduler) -> None:
         """Receive input during a session: binds queue up, the rest waits for DP mode."""
@@ -212,6 +226,14 @@ class FlyingEngine:
             result = scheduler.run_batch(batch)
             scheduler.process_batch_result(batch, result)
         raise RuntimeError("flying: TP session did not finish")
+
+
+def _nothing_running(scheduler) -> bool:
+    """No DP request is running or about to be merged into the running batch."""
+    last = scheduler.last_batch
+    return scheduler.running_batch.is_empty() and (
+        last is None or all(r.finished() for r in last.reqs)
+    )
 
 
 def tokens_needed(bind: Bind) -> int:

@@ -108,6 +108,17 @@ def tp_pool_for(pool, degree: int):
     return _POOLS[degree]
 
 
+def _components(root) -> list[object]:
+    """``root`` and its direct ``sglang.*`` components, each once."""
+    holders, seen = [], set()
+    for value in [root, *_attrs(root).values()]:
+        module = type(value).__module__ or ""
+        if (value is root or module.startswith("sglang.")) and id(value) not in seen:
+            seen.add(id(value))
+            holders.append(value)
+    return holders
+
+
 def _references(root, targets: dict[int, object]) -> list[tuple[object, str, object]]:
     """(holder, attribute, replacement) for every attribute of ``root`` and of its direct
     components that refers to one of ``targets`` (keyed by ``id`` of the object to
@@ -115,21 +126,21 @@ def _references(root, targets: dict[int, object]) -> list[tuple[object, str, obj
     at construction (result processor, output streamer, policy, ...); a TP session must
     swap every one of them, and listing them by hand would break silently on upgrades.
     """
-    found: list[tuple[object, str, object]] = []
-    holders = [root]
-    for value in _attrs(root).values():
-        module = type(value).__module__ or ""
-        if module.startswith("sglang.") and value is not root:
-            holders.append(value)
-    seen: set[int] = set()
-    for holder in holders:
-        if id(holder) in seen:
-            continue
-        seen.add(id(holder))
-        for name, value in _attrs(holder).items():
-            if id(value) in targets:
-                found.append((holder, name, targets[id(value)]))
-    return found
+    return [
+        (holder, name, targets[id(value)])
+        for holder in _components(root)
+        for name, value in _attrs(holder).items()
+        if id(value) in targets
+    ]
+
+
+def _pool_size_holders(root) -> list[object]:
+    """``root`` and the components holding their own copy of ``max_total_num_tokens``
+    (pool-usage observer, load inquirer, invariant checker, ...): in a session they must
+    all see the session's pool, or usage = 1 - free/size goes negative and SGLang's
+    metrics assert."""
+    size = root.max_total_num_tokens
+    return [h for h in _components(root) if _attrs(h).get("max_total_num_tokens") == size]
 
 
 def _attrs(obj) -> dict[str, object]:
@@ -151,7 +162,7 @@ class Session:
     ``capacity == sum(r.tp_slots.numel() for r in reservations)``.
     """
 
-    scheduler: object
+    scheduler: object  # plus the components in ``size_holders``
     dp_allocator: object
     tp_allocator: object
     reservations: list
@@ -159,6 +170,7 @@ class Session:
     admitting: bool = True  # False once an offered request could not be admitted
     dp_running: object = None  # the engine's paused DP batch (stashed, KV kept)
     dp_waiting: list = dataclasses.field(default_factory=list)  # its stashed DP queue
+    size_holders: list = dataclasses.field(default_factory=list)  # see _pool_size_holders
 
     def has_dp_work(self, engine) -> bool:
         """Whether DP work waits for this session to end on this member."""
@@ -173,8 +185,10 @@ class Session:
 
     def _set_capacity(self, capacity: int) -> None:
         self.capacity = capacity
-        for name in ("max_total_num_tokens", "max_req_len", "max_req_input_len"):
-            setattr(self.scheduler, name, capacity - (name != "max_total_num_tokens"))
+        for holder in self.size_holders:
+            _set(holder, "max_total_num_tokens", capacity)
+        for name in ("max_req_len", "max_req_input_len"):
+            setattr(self.scheduler, name, capacity - 1)
 
     def release_all(self) -> None:
         """Give every reserved DP slot back to the engine (after the scope is left)."""
@@ -200,6 +214,7 @@ def session_scope(scheduler, member, reservation, is_leader: bool) -> Iterator[S
     session = Session(
         scheduler, dp_allocator, allocator, [reservation], capacity,
         dp_running=scheduler.running_batch, dp_waiting=scheduler.waiting_queue,
+        size_holders=_pool_size_holders(scheduler),
     )
     streamer = scheduler.output_streamer
     swaps = _references(
@@ -213,7 +228,7 @@ def session_scope(scheduler, member, reservation, is_leader: bool) -> Iterator[S
         (scheduler, "running_batch", ScheduleBatch(reqs=[], batch_is_full=False)),
         (scheduler, "last_batch", None),
         (scheduler, "chunked_req", None),
-        (scheduler, "max_total_num_tokens", capacity),
+        *[(h, "max_total_num_tokens", capacity) for h in session.size_holders],
         (scheduler, "max_req_len", capacity - 1),
         (scheduler, "max_req_input_len", capacity - 1),
     ]

@@ -14,7 +14,8 @@ Order of rules for one request:
 4. by policy: static-dp -> DP; static-tp -> the largest degree;
    adaptive -> the largest degree while the node is lightly loaded, DP under load, with
    hysteresis (enter TP below ``light_load``, leave above ``heavy_load`` requests per
-   engine) so the mode does not flap.
+   engine) so the mode does not flap; only a caller that passes the engines' loads
+   gets a load-based answer (without them it is DP).
 """
 
 from __future__ import annotations
@@ -153,9 +154,10 @@ class Policy:
         policy = self.config.policy
         if policy == "static-tp" and largest > 1:
             return Decision("tp", largest, "static-tp")
-        if policy == "adaptive" and largest > 1:
-            if loads is not None:
-                self.observe(loads)
+        if policy == "adaptive" and largest > 1 and loads is not None:
+            # Without loads (the HTTP process) the load rule is left to the caller that
+            # sees them (the DP controller): the answer is DP, i.e. "no TP mark".
+            self.observe(loads)
             if self.light:
                 return Decision("tp", largest, "light load")
         return Decision("dp", 1, policy)

@@ -124,7 +124,7 @@ def test_priority_request_preempts_and_dp_requests_resume_exactly(dp2_server, de
 def test_long_prompt_is_upgraded_and_uses_two_engines_kv(dp2_server, demo_model_dir):
     """A prompt beyond one engine's KV pool runs in TP-2 with no header, using >= 99%
     of both pools, with the tokens transformers produces."""
-    new = 8
+    new = 48  # > SGLang's decode_log_interval (40): its pool-usage stats run in TP mode
     length = 2 * MAX_TOTAL_TOKENS - new - 8
     ids = prompts(1, length, seed=6)[0]
     body = _generate(dp2_server, ids, new)

@@ -150,3 +150,13 @@ def test_group_capacity_pools_kv_slots_not_the_dp_input_limit():
     capped = Node(2, (2,), engine_capacity=2043, engine_slots=2048, context_limit=3000)
     assert capped.capacity(2) == 3000
     assert Policy(PolicyConfig().validate(), capped).decide(Request(2990, 20)).mode == "reject"
+
+
+def test_adaptive_without_loads_leaves_the_load_rule_to_the_controller():
+    """The HTTP process sees no load: it must not mark light-load TP (the controller,
+    which reads the engines' loads, decides); rules that need no load still apply."""
+    p = policy()
+    assert p.decide(Request(10, 10)) == Decision("dp", 1, "adaptive")
+    assert p.decide(Request(10, 10, priority=1)).mode == "tp"
+    assert p.decide(Request(1500, 10)).mode == "tp"
+    assert p.light  # no load was observed
