@@ -201,5 +201,23 @@ def get_pool() -> CommPool | None:
     return _POOL
 
 
+_HOSTED: object | None = None
+
+
+def set_hosted_store(store) -> None:
+    """Record the TCPStore this process hosts (the launcher, which is also SGLang's HTTP
+    process); set once. Kept here, not in ``flying.launch``: run as ``python -m``, the
+    launcher is ``__main__`` and ``import flying.launch`` would see a second copy."""
+    global _HOSTED
+    if _HOSTED is not None:
+        raise RuntimeError("hosted store already set in this process")
+    _HOSTED = store
+
+
+def hosted_store():
+    """The TCPStore this process hosts, or None (engines, controller, tests)."""
+    return _HOSTED
+
+
 def store_address() -> str | None:
     return os.environ.get(STORE_ENV)

@@ -12,6 +12,7 @@ import logging
 import time
 import uuid
 
+from flying import placement_log
 from flying.config import get_config
 from flying.layout import Group, groups_of
 from flying.messages import Bind, unmark
@@ -78,7 +79,17 @@ def binds_for(controller, req) -> list[tuple[int, Bind]]:
     degree, _ = unmark(getattr(req, "routing_key", None))
     if not degree and get_config().policy == "adaptive":
         degree = _adaptive_degree(controller, req)
+        if degree:  # tell the HTTP process, for meta_info["flying"]
+            placement_log.record(_store(controller), req.rid, degree)
     return issuer.make_binds(req, degree) if degree else []
+
+
+def _store(controller):
+    if getattr(controller, "_flying_store", None) is None:
+        from flying.comm_pool import connect_store, store_address
+
+        controller._flying_store = connect_store(store_address())
+    return controller._flying_store
 
 
 def _adaptive_degree(controller, req) -> int:

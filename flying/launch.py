@@ -128,20 +128,21 @@ def add_routes(num_engines: int) -> None:
     from sglang.srt.entrypoints.http_server import app
 
     from flying import metrics, status
+    from flying.comm_pool import hosted_store
+
+    def read_status() -> dict:
+        store = hosted_store()
+        return status.read_all(store, num_engines) if store is not None else {"engines": []}
 
     async def flying_status():
-        doc = status.read_all(_STORE, num_engines) if _STORE is not None else {"engines": []}
+        doc = read_status()
         doc["tp_degrees"] = flying_config.get_config().degree_list() or []
         return JSONResponse(doc)
 
     app.add_api_route("/flying/status", flying_status, methods=["GET"])
-    metrics.mount(
-        app,
-        lambda: status.read_all(_STORE, num_engines) if _STORE is not None else {"engines": []},
-    )
+    metrics.mount(app, read_status)
 
 
-_STORE = None
 
 
 def _gpu_count() -> int:
@@ -202,10 +203,10 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"error: {exc}") from exc
     # Publish before SGLang starts any process, so every process sees the same config.
     flying_config.publish(cfg, replace=True)
-    global _STORE
-    from flying.comm_pool import STORE_ENV, host_store
+    from flying.comm_pool import STORE_ENV, host_store, set_hosted_store
 
-    _STORE, os.environ[STORE_ENV] = host_store()
+    store, os.environ[STORE_ENV] = host_store()
+    set_hosted_store(store)
     logger.info("Flying TP degrees: %s", cfg.tp_degrees)
     if cfg.degree_list() and not _has_flag(sglang_argv, "--disable-overlap-schedule"):
         # TP sessions run SGLang's batch steps synchronously at a step boundary; the

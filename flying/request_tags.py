@@ -78,6 +78,22 @@ def degree_of(obj) -> int:
     return unmark(getattr(obj, "routing_key", None))[0]
 
 
+def where_it_ran(obj, meta: dict) -> int:
+    """The TP degree a request ran at (1 or 0: DP): its mark, or the controller's
+    adaptive placement when it had none."""
+    degree = degree_of(obj)
+    if degree or get_config().policy != "adaptive":
+        return degree
+    from flying import placement_log
+    from flying.comm_pool import hosted_store
+
+    store = hosted_store()
+    if store is None:
+        return 0
+    rid = meta.get("id") or obj.rid
+    return placement_log.degree_for(store, rid, meta.get("finish_reason") is not None)
+
+
 def placement(degree: int, dp_rank: int | None) -> dict | None:
     """``meta_info["flying"]``: the mode, the degree and the engine ranks."""
     if dp_rank is None:

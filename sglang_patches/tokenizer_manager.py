@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 from flying.metrics import count_finished
-from flying.request_tags import degree_of, place, placement, tag_request
+from flying.request_tags import degree_of, place, placement, tag_request, where_it_ran
 
 
 async def generate_request(original, manager, obj, request=None):
@@ -41,7 +41,7 @@ async def handle_batch_output(original, manager, recv_obj):
             continue
         meta = state.out_list[-1].get("meta_info")
         if isinstance(meta, dict) and "flying" not in meta:
-            info = placement(degree_of(state.obj), meta.get("dp_rank"))
+            info = placement(where_it_ran(state.obj, meta), meta.get("dp_rank"))
             if info is not None:
                 meta["flying"] = info
                 if meta.get("finish_reason") is not None:
