@@ -41,7 +41,7 @@ MAX_IDLE_STEPS = 50
 #: Once a member has DP work waiting (paused, queued or newly arrived), a session
 #: admits new requests for at most this long, then drains and releases, so that the
 #: DP work gets its turn. With no DP work waiting, admission stays open.
-MAX_ADMIT_S = 2.0
+MAX_ADMIT_S = 0.5
 #: Soft preemption: how long a drained member waits for the others per step boundary.
 DRAIN_POLL_S = 0.2
 
