@@ -20,22 +20,26 @@ def demo_model_dir() -> Path:
     return ensure_demo_model()
 
 
-def demo_server(model_dir: Path, log: Path, *extra: str) -> Iterator[Server]:
-    """The demo model on 2 engines through ``python -m flying.launch``, for a fixture.
-
-    Normal requests stay DP (``static-dp``: deterministic routing for the tests);
-    priority and long-context requests still switch to TP.
-    """
-    server = Server(
-        ["--model-path", str(model_dir), "--dp-size", "2",
-         "--max-total-tokens", str(MAX_TOTAL_TOKENS), "--flying-policy", "static-dp", *extra],
-        log,
-    )
+def serve(log: Path, *args: str) -> Iterator[Server]:
+    """A ``python -m flying.launch`` server with ``args`` for a fixture (``yield from``)."""
+    server = Server(list(args), log)
     try:
         server.wait_ready()
         yield server
     finally:
         server.stop()
+
+
+def demo_server(model_dir: Path, log: Path, *extra: str) -> Iterator[Server]:
+    """The demo model on 2 engines, for a fixture.
+
+    Normal requests stay DP (``static-dp``: deterministic routing for the tests);
+    priority and long-context requests still switch to TP.
+    """
+    yield from serve(
+        log, "--model-path", str(model_dir), "--dp-size", "2",
+        "--max-total-tokens", str(MAX_TOTAL_TOKENS), "--flying-policy", "static-dp", *extra,
+    )
 
 
 @pytest.fixture(scope="session")

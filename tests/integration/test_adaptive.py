@@ -9,25 +9,18 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import MAX_TOTAL_TOKENS
+from tests.conftest import MAX_TOTAL_TOKENS, serve
 from tests.reference import greedy_tokens, prompts
-from tests.server import Server
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
 def adaptive_server(demo_model_dir, tmp_path_factory):
-    server = Server(
-        ["--model-path", str(demo_model_dir), "--dp-size", "2",
-         "--max-total-tokens", str(MAX_TOTAL_TOKENS)],  # --flying-policy adaptive: default
-        tmp_path_factory.mktemp("adaptive") / "server.log",
+    yield from serve(  # --flying-policy adaptive: the default
+        tmp_path_factory.mktemp("adaptive") / "server.log", "--model-path", str(demo_model_dir),
+        "--dp-size", "2", "--max-total-tokens", str(MAX_TOTAL_TOKENS),
     )
-    try:
-        server.wait_ready()
-        yield server
-    finally:
-        server.stop()
 
 
 def test_light_load_request_runs_in_a_tp_group(adaptive_server, demo_model_dir):

@@ -12,8 +12,8 @@ import time
 import pytest
 import requests
 
+from tests.conftest import serve
 from tests.reference import greedy_tokens, prompts
-from tests.server import Server
 
 pytestmark = pytest.mark.integration
 
@@ -22,16 +22,10 @@ SLOTS = 1024
 
 @pytest.fixture(scope="module")
 def dp4_server(demo_model_dir, tmp_path_factory):
-    server = Server(
-        ["--model-path", str(demo_model_dir), "--dp-size", "4",
-         "--max-total-tokens", str(SLOTS), "--flying-policy", "manual"],
-        tmp_path_factory.mktemp("dp4") / "server.log",
+    yield from serve(
+        tmp_path_factory.mktemp("dp4") / "server.log", "--model-path", str(demo_model_dir),
+        "--dp-size", "4", "--max-total-tokens", str(SLOTS), "--flying-policy", "manual",
     )
-    try:
-        server.wait_ready()
-        yield server
-    finally:
-        server.stop()
 
 
 def test_tp4_and_tp2_groups_equal_dp_and_transformers(dp4_server, demo_model_dir):
