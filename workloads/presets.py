@@ -57,9 +57,9 @@ CPU_SMALL = BurstyConfig(
 
 # Saturating CPU variant: bursts well above what 2 engines of the demo model decode, so
 # queues build up and load-adaptive switching has something to do.
-CPU_BURST = BurstyConfig(
+CPU_BURST = replace(
+    CPU_SMALL,
     num_requests=160,
-    prompt_range=(16, 192),
     output_range=(32, 96),
     low_rate_range=(0.5, 1.0),
     burst_rate_range=(12.0, 20.0),
