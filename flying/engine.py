@@ -69,9 +69,8 @@ class FlyingEngine:
         self.bind_timeout_s = bind_timeout_s
         self.preempt = preempt
         #: Soft preemption: this engine is finishing its running DP requests (admitting
-        #: none) for the bind at the head of ``pending``; ``drained`` once it has.
+        #: none) for the bind at the head of ``pending``.
         self.draining = False
-        self.drained = False
         self.pending: deque[Bind] = deque()
         #: Non-bind input received during a session; handed to SGLang after it.
         self.deferred: list = []
@@ -89,7 +88,7 @@ class FlyingEngine:
         of TP requests delays DP work but never starves it.
         """
         if self.pending and self._may_start(scheduler, self.pending[0]):
-            self.draining = self.drained = False
+            self.draining = False
             self._run(scheduler, self.pending.popleft(), next_batch)
         if self.deferred:
             deferred, self.deferred = self.deferred, []
@@ -103,8 +102,7 @@ class FlyingEngine:
         if self.preempt != "soft" or self.pool is None:
             return True
         self.draining = True
-        self.drained = self.drained or _nothing_running(scheduler)
-        if not self.drained:
+        if not _nothing_running(scheduler):
             return False
         base = f"flying/drain/{bind.bind_id}"
         self.pool.store.set(f"{base}/{self.dp_rank}", "1")

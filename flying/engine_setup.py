@@ -40,15 +40,14 @@ def run_pending(scheduler, engine: FlyingEngine, next_batch) -> None:
             status.publish(engine.pool.store, engine.dp_rank, engine, scheduler)
 
 
-def drain_step(scheduler, engine: FlyingEngine, next_batch, *args, **kwargs):
+def drain_step(scheduler, next_batch, *args, **kwargs):
     """Soft preemption: SGLang's step over the running DP requests only (the waiting
-    ones stay queued until after the session); marks the engine drained once nothing
-    runs. Requests SGLang retracts meanwhile go back to the real waiting queue."""
+    ones stay queued until after the session). Requests SGLang retracts meanwhile go
+    back to the real waiting queue."""
     waiting, scheduler.waiting_queue = scheduler.waiting_queue, []
     try:
         plan = next_batch(scheduler, *args, **kwargs)
     finally:
         waiting.extend(scheduler.waiting_queue)
         scheduler.waiting_queue = waiting
-    engine.drained = plan.batch_to_run is None and plan.running_batch.is_empty()
     return plan

@@ -162,7 +162,7 @@ class Session:
     ``capacity == sum(r.tp_slots.numel() for r in reservations)``.
     """
 
-    scheduler: object  # plus the components in ``size_holders``
+    scheduler: object  # gets the session's length limits; size_holders its pool size
     dp_allocator: object
     tp_allocator: object
     reservations: list

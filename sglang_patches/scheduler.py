@@ -34,5 +34,5 @@ def get_next_batch_to_run(original, scheduler, *args, **kwargs):
     if engine is not None and engine.pending and not engine.in_session:
         engine_setup.run_pending(scheduler, engine, original)
         if engine.draining:  # soft preemption: finish running DP work, admit none
-            return engine_setup.drain_step(scheduler, engine, original, *args, **kwargs)
+            return engine_setup.drain_step(scheduler, original, *args, **kwargs)
     return original(scheduler, *args, **kwargs)
