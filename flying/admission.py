@@ -27,14 +27,32 @@ import time
 from collections import deque
 
 from flying import kv_adaptor
+from flying.exchange import MAX_OFFERS
 from flying.messages import Bind
+from flying.placement import ADMISSION_SLACK
 
 logger = logging.getLogger(__name__)
 
 #: Binds offered per step (fixed width of the per-step exchange).
-MAX_PER_STEP = 8
+MAX_PER_STEP = MAX_OFFERS
 #: How long a member waits for an offered bind to arrive on its socket.
 ARRIVAL_TIMEOUT_S = 5.0
+
+
+def tokens_needed(bind: Bind, dp_limit: int) -> int:
+    """KV tokens one TP request of ``bind`` may use: prompt + max_new_tokens + slack.
+
+    Without max_new_tokens (an OpenAI chat request without max_tokens) SGLang lets a
+    request grow to the engine's max_req_len; the group reserves the same, so the
+    request may produce exactly what it would produce in DP.
+    """
+    prompt = len(bind.req.input_ids or ())
+    wanted = getattr(bind.req.sampling_params, "max_new_tokens", None)
+    if wanted is None:
+        total = max(prompt + 1, dp_limit)
+    else:
+        total = prompt + max(0, int(wanted))
+    return total + ADMISSION_SLACK
 
 
 def bind_key(bind: Bind) -> int:
@@ -75,12 +93,14 @@ def _take(engine, scheduler, keys: list[int]) -> list[Bind]:
 
 def admit(engine, scheduler, member, session, keys: list[int]) -> int:
     """Admit the offered binds on this member; returns how many joined (same on all)."""
-    from flying.engine import tokens_needed
-
     binds = _take(engine, scheduler, keys)
     reservations = []
     for bind in binds:
-        res = kv_adaptor.reserve(session.dp_allocator, tokens_needed(bind), bind.degree)
+        if engine.aborts.hits(bind.req.rid):
+            break  # an aborted request is not admitted; its bind runs (and aborts) later
+        res = kv_adaptor.reserve(
+            session.dp_allocator, tokens_needed(bind, engine.dp_limit), bind.degree
+        )
         if res is None:
             break
         reservations.append(res)
@@ -92,5 +112,6 @@ def admit(engine, scheduler, member, session, keys: list[int]) -> int:
     for bind, res in zip(binds[:agreed], reservations[:agreed], strict=True):
         engine.pending.remove(bind)
         session.grow(res)
+        session.tokenized[bind.req.rid] = bind.req
         scheduler.handle_generate_request(bind.req)
     return agreed

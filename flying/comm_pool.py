@@ -51,6 +51,28 @@ def connect_store(address: str, timeout_s: float = 60.0):
     )
 
 
+_OK = "ok"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The members' common decision on one bind (stored as ``go:<seq>`` / ``abort:<why>``)."""
+
+    go: bool
+    reason: str = ""
+    seq: int = 0  # go only: the shared-memory sequence base of the session's epoch
+
+    def encode(self) -> str:
+        return f"go:{self.seq}" if self.go else f"abort:{self.reason}"
+
+    @classmethod
+    def decode(cls, text: str) -> Verdict:
+        kind, _, rest = text.partition(":")
+        if kind == "go":
+            return cls(True, "", int(rest or 0))
+        return cls(False, rest or "no decision")
+
+
 @dataclass
 class Member:
     """One engine's handle on one group: its process group and its rank inside it.
@@ -98,12 +120,38 @@ class Member:
         return shared, out[-1]
 
     def min_int(self, value: int) -> int:
-        """The smallest ``value`` over the group (gloo; rare: admission steps only)."""
+        """The smallest ``value`` over the group (admission steps only)."""
         t = torch.tensor([value], dtype=torch.int64)
+        if self.shm is not None:
+            return int(self.shm.all_gather(t).min())
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MIN
         self.pg.allreduce([t], opts).wait()
         return int(t[0])
+
+    def share_tokens_(self, ids: torch.Tensor) -> torch.Tensor:
+        """Overwrite ``ids`` ([bs] sampled token ids) with the leader's, in place.
+
+        A group decides each step's tokens once: without this every member samples
+        with its own generator (whose state DP traffic has advanced differently), and
+        members would write different tokens into their KV shards. SGLang's own TP
+        does the same with an all-reduce MIN (``Sampler._sync_token_ids_across_tp``).
+        """
+        if ids.numel() == 0:
+            return ids
+        if self.shm is not None and ids.is_cpu:
+            flat = ids.reshape(-1)
+            gathered = self.shm.all_gather(flat.to(torch.int64))
+            flat.copy_(gathered[: flat.numel()])
+            return ids
+        return self.broadcast(ids)
+
+    # -- faults ---------------------------------------------------------------------
+
+    def poison(self) -> None:
+        """After a fault: wake every peer waiting in a group collective with an error."""
+        if self.shm is not None:
+            self.shm.poison()
 
 
 @dataclass
@@ -154,27 +202,37 @@ class CommPool:
 
     # -- bounded bind handshake ---------------------------------------------------
 
-    def rendezvous(self, bind_id: str, degree: int, ok: bool, timeout_s: float) -> str:
-        """Agree with the other members on "go" or "abort" for ``bind_id``.
+    def rendezvous(self, bind_id: str, degree: int, vote: str, timeout_s: float) -> Verdict:
+        """Agree with the other members on go or abort for ``bind_id``.
 
-        Each member announces itself (and whether it can serve: ``ok``); the leader waits
-        up to ``timeout_s`` for all and decides; a non-leader that hears nothing within
-        ``2 * timeout_s`` decides "abort" itself. Both decide through ``compare_set`` on
-        one key, so exactly one decision wins and every member reads the same one.
-        Returns "go" or "abort:<reason>".
+        Each member announces itself with its ``vote`` ("" = can serve, else why not);
+        the leader waits up to ``timeout_s`` for all and decides; a non-leader that hears
+        nothing within ``2 * timeout_s`` decides abort itself. Both decide through
+        ``compare_set`` on one key, so exactly one decision wins and every member reads
+        the same one. On go, the leader also picks the sequence base of the group's
+        shared-memory epoch (every member resyncs to it: a previous session may have
+        ended in a fault, mid-collective). The last member to read the decision deletes
+        the bind's keys, so no store key outlives a bind.
         """
         member = self.member(degree)
         base = f"flying/bind/{bind_id}"
-        self.store.set(f"{base}/arrive/{member.tp_rank}", "ok" if ok else "no")
+        self.store.set(f"{base}/arrive/{member.tp_rank}", vote or _OK)
         decision_key = f"{base}/decision"
         if member.tp_rank == 0:
             keys = [f"{base}/arrive/{r}" for r in range(degree)]
             try:
                 self.store.wait(keys, _dt.timedelta(seconds=timeout_s))
                 votes = [self.store.get(k).decode() for k in keys]
-                want = "go" if all(v == "ok" for v in votes) else "abort:member lacks KV capacity"
+                bad = [v for v in votes if v != _OK]
+                if bad:
+                    want = Verdict(False, bad[0]).encode()
+                else:  # every member is at its step boundary: no collective in flight
+                    seq = member.shm.published_max() + 2 if member.shm is not None else 0
+                    if member.shm is not None:
+                        member.shm.resync(seq, clear_poison=True)
+                    want = Verdict(True, "", seq).encode()
             except (RuntimeError, dist.DistStoreError):
-                want = f"abort:a member did not arrive within {timeout_s:g} s"
+                want = Verdict(False, f"a member did not arrive within {timeout_s:g} s").encode()
             got = self.store.compare_set(decision_key, "", want).decode()
         else:
             try:
@@ -182,9 +240,16 @@ class CommPool:
                 got = self.store.get(decision_key).decode()
             except (RuntimeError, dist.DistStoreError):
                 got = self.store.compare_set(
-                    decision_key, "", "abort:leader did not decide in time"
+                    decision_key, "", Verdict(False, "leader did not decide in time").encode()
                 ).decode()
-        return got
+        verdict = Verdict.decode(got)
+        if verdict.go and member.shm is not None and member.tp_rank != 0:
+            member.shm.resync(verdict.seq, clear_poison=False)
+        if self.store.add(f"{base}/read", 1) == degree:  # the last reader cleans up
+            for key in [*(f"{base}/arrive/{r}" for r in range(degree)), decision_key]:
+                self.store.delete_key(key)
+            self.store.delete_key(f"{base}/read")
+        return verdict
 
 
 _POOL: CommPool | None = None

@@ -10,8 +10,13 @@ switched into TP mode by ``tp_scope.session_scope``.
 
 Lockstep: every member runs the identical request set with identical KV capacity, so
 SGLang's deterministic scheduling forms identical batches; each step the members check
-that with one tiny broadcast of the leader's batch signature. Only the leader streams
-outputs to the detokenizer.
+that with one tiny broadcast of the leader's batch signature (``flying.exchange``), and
+every sampled token is the leader's (``Member.share_tokens_``), so members write the
+same tokens into their KV shards. Only the leader streams outputs to the client.
+
+Containment: any exception inside a session (a step, a collective, a lockstep
+mismatch) ends that session only (``flying.containment``); the engine returns to DP
+with its KV slots and request rows accounted for and keeps serving.
 """
 
 from __future__ import annotations
@@ -24,11 +29,12 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from flying import admission
+from flying import aborts, admission, containment, exchange, status
+from flying.aborts import AbortBook
 from flying.comm_pool import CommPool
+from flying.faults import FaultSwitch
 from flying.messages import Bind
 from flying.metrics import SWITCH_BUCKETS_MS, bucket_index
-from flying.placement import ADMISSION_SLACK
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +50,25 @@ MAX_IDLE_STEPS = 50
 MAX_ADMIT_S = 0.5
 #: Soft preemption: how long a drained member waits for the others per step boundary.
 DRAIN_POLL_S = 0.2
+#: How often a running session refreshes the engine's published status.
+STATUS_EVERY_S = 0.25
+
+
+@dataclass(frozen=True)
+class Mode:
+    """An engine's mode: DP (degree 1) or a member of a TP group of ``degree``."""
+
+    degree: int = 1
+
+    @property
+    def is_dp(self) -> bool:
+        return self.degree == 1
+
+    def __str__(self) -> str:
+        return "dp" if self.degree == 1 else f"tp{self.degree}"
+
+
+DP = Mode(1)
 
 
 @dataclass
@@ -51,6 +76,9 @@ class EngineCounters:
     binds: int = 0
     releases: int = 0
     aborted_binds: int = 0
+    faulted_sessions: int = 0
+    client_aborts: int = 0
+    rerun_in_dp: int = 0
     preempted_dp_requests: int = 0
     tp_requests: int = 0
     #: switch latency (bind taken at a step boundary -> group ready) histogram, counts
@@ -58,16 +86,22 @@ class EngineCounters:
     switch_hist: list[int] = field(default_factory=lambda: [0] * (len(SWITCH_BUCKETS_MS) + 1))
     switch_ms_sum: float = 0.0
     last_switch_ms: dict[str, float] = field(default_factory=dict)
+    last_fault: str = ""
 
 
 class FlyingEngine:
     def __init__(
-        self, dp_rank: int, pool: CommPool | None, bind_timeout_s: float, preempt: str = "hard"
+        self, dp_rank: int, pool: CommPool | None, bind_timeout_s: float, preempt: str = "hard",
+        dp_limit: int = 0,
     ):
         self.dp_rank = dp_rank
         self.pool = pool
         self.bind_timeout_s = bind_timeout_s
         self.preempt = preempt
+        #: The longest request (prompt + output) SGLang admits on this engine in DP mode
+        #: (its max_req_len, before any session swaps it): what a request without
+        #: max_new_tokens may grow to.
+        self.dp_limit = dp_limit
         #: Soft preemption: this engine is finishing its running DP requests (admitting
         #: none) for the bind at the head of ``pending``.
         self.draining = False
@@ -75,11 +109,22 @@ class FlyingEngine:
         #: Non-bind input received during a session; handed to SGLang after it.
         self.deferred: list = []
         self.counters = EngineCounters()
-        self.mode = "dp"
+        self.mode: Mode = DP
         self.in_session = False
+        self.aborts = AbortBook()
+        self.faults = FaultSwitch(pool.store if pool else None, dp_rank)
+        self._status_at = 0.0
 
-    def on_bind(self, bind: Bind) -> None:
-        self.pending.append(bind)
+    def on_input(self, req) -> bool:
+        """Take Flying's part of one input message; True if SGLang must not see it."""
+        from sglang.srt.managers.io_struct import AbortReq
+
+        if isinstance(req, Bind):
+            self.pending.append(req)
+            return True
+        if isinstance(req, AbortReq):
+            self.aborts.note(req)
+        return False
 
     def run_pending(self, scheduler, next_batch) -> None:
         """Run the oldest pending bind (the controller's total order) as one session.
@@ -98,31 +143,50 @@ class FlyingEngine:
         """Hard preemption: always. Soft: once every member has drained its DP work
         for this bind. Each announces it in the store, then waits at most
         ``DRAIN_POLL_S`` for the others (it has nothing else to run: new DP work is
-        held back while draining), so a wait never blocks an engine for long."""
+        held back while draining), so a wait never blocks an engine for long. The drain
+        keys are deleted by the bind's rendezvous."""
         if self.preempt != "soft" or self.pool is None:
             return True
         self.draining = True
         if not _nothing_running(scheduler):
             return False
-        base = f"flying/drain/{bind.bind_id}"
-        self.pool.store.set(f"{base}/{self.dp_rank}", "1")
+        keys = drain_keys(bind)
+        self.pool.store.set(keys[bind.ranks.index(self.dp_rank)], "1")
         try:
-            self.pool.store.wait(
-                [f"{base}/{r}" for r in bind.ranks], _dt.timedelta(seconds=DRAIN_POLL_S)
-            )
+            self.pool.store.wait(keys, _dt.timedelta(seconds=DRAIN_POLL_S))
         except (RuntimeError, dist.DistStoreError):
             return False
         return True
 
     def poll(self, scheduler) -> None:
-        """Receive input during a session: binds queue up, the rest waits for DP mode."""
+        """Receive input during a session: binds queue up, aborts are noted (the leader
+        announces those of session requests), the rest waits for DP mode."""
         for req in scheduler.request_receiver.recv_requests(local_reqs=[]):
-            if isinstance(req, Bind):
-                self.pending.append(req)
-            else:
+            if not self.on_input(req):
                 self.deferred.append(req)
 
+    def publish(self, scheduler, force: bool = False) -> None:
+        now = time.monotonic()
+        if self.pool is not None and (force or now - self._status_at >= STATUS_EVERY_S):
+            self._status_at = now
+            status.publish(self.pool.store, self.dp_rank, self, scheduler)
+
     # -- one session ----------------------------------------------------------------
+
+    def _vote(self, scheduler, bind: Bind):
+        """(reservation or None, vote): "" if this member can serve the bind."""
+        self.faults.refresh()
+        try:
+            self.faults.check("bind")
+            if self.aborts.hits(bind.req.rid):
+                return None, "request aborted by the client"
+            reservation = tp_scope_reserve(
+                scheduler, admission.tokens_needed(bind, self.dp_limit), bind.degree
+            )
+        except Exception as exc:  # noqa: BLE001 - any failure is this member's "no"
+            logger.exception("flying: engine %d cannot join bind %s", self.dp_rank, bind.bind_id)
+            return None, f"engine {self.dp_rank} failed to prepare: {exc}"
+        return reservation, "" if reservation is not None else "member lacks KV capacity"
 
     def _run(self, scheduler, bind: Bind, next_batch) -> None:
         from flying import tp_scope
@@ -130,42 +194,60 @@ class FlyingEngine:
         t0 = time.perf_counter()
         degree = bind.degree
         is_leader = self.dp_rank == bind.ranks[0]
-        reservation = tp_scope.reserve_for(scheduler, tokens_needed(bind), degree)
-        decision = (
-            self.pool.rendezvous(bind.bind_id, degree, reservation is not None, self.bind_timeout_s)
-            if self.pool is not None
-            else "abort:no communicator pool"
-        )
+        reservation, vote = self._vote(scheduler, bind)
+        verdict = self.pool.rendezvous(bind.bind_id, degree, vote, self.bind_timeout_s)
+        if self.preempt == "soft":  # every member is past its drain wait now
+            self.pool.store.delete_key(drain_keys(bind)[bind.ranks.index(self.dp_rank)])
         t_rdv = time.perf_counter()
-        if decision != "go":
-            if reservation is not None:
-                tp_scope.release(scheduler, reservation)
+        if not verdict.go:
+            tp_scope.release(scheduler, reservation)
             self.counters.aborted_binds += 1
-            logger.warning("flying: bind %s aborted: %s", bind.bind_id, decision)
+            logger.warning("flying: bind %s aborted: %s", bind.bind_id, verdict.reason)
             if is_leader:
-                tp_scope.reject(scheduler, bind.req, f"TP-{degree} bind failed: {decision[6:]}")
+                tp_scope.reject(scheduler, bind.req, f"TP-{degree} bind failed: {verdict.reason}")
             return
         member = self.pool.member(degree)
         paused = len(scheduler.running_batch.reqs) + len(scheduler.waiting_queue)
         self.counters.binds += 1
         self.counters.preempted_dp_requests += len(scheduler.running_batch.reqs)
-        self.mode, self.in_session = f"tp{degree}", True
-        session = None
+        self.mode, self.in_session = Mode(degree), True
+        session, admitted, rerun = None, 0, []
+        t_scope = t_rdv
         try:
-            with tp_scope.session_scope(scheduler, member, reservation, is_leader) as session:
+            with tp_scope.session_scope(
+                scheduler, member, reservation, is_leader, self.faults
+            ) as session:
                 t_scope = time.perf_counter()
                 logger.info(
                     "flying: engine %d -> TP-%d group %s (bind %s, %d DP requests paused)",
                     self.dp_rank, degree, list(bind.ranks), bind.bind_id, paused,
                 )
-                scheduler.handle_generate_request(bind.req)
-                admitted = 1 + self._steps(scheduler, member, bind, session, next_batch)
+                self.publish(scheduler, force=True)
+                try:
+                    self.faults.check("scope")
+                    session.tokenized[bind.req.rid] = bind.req
+                    scheduler.handle_generate_request(bind.req)
+                    admitted = 1 + self._steps(scheduler, member, bind, session, next_batch)
+                    self.faults.check("release")
+                except Exception as exc:  # noqa: BLE001 - containment: end this session only
+                    member.poison()
+                    self.counters.faulted_sessions += 1
+                    self.counters.last_fault = f"{type(exc).__name__}: {exc}"[:300]
+                    logger.exception("flying: engine %d: TP-%d session failed", self.dp_rank, degree)
+                    rerun = containment.abandon(
+                        scheduler, is_leader, f"TP-{degree} group failed: {exc}", session.tokenized
+                    )
+                    admitted = len(session.tokenized)
         finally:
             if session is not None:
                 session.release_all()
             else:
                 tp_scope.release(scheduler, reservation)
-            self.mode, self.in_session = "dp", False
+            self.mode, self.in_session = DP, False
+            self.aborts.end_session()
+        for req in rerun:  # leader only: nothing was streamed, so DP answers instead
+            self.counters.rerun_in_dp += 1
+            scheduler.handle_generate_request(req)
         self.counters.releases += 1
         self.counters.tp_requests += admitted
         t_end = time.perf_counter()
@@ -187,17 +269,24 @@ class FlyingEngine:
         """SGLang's own loop body (``event_loop_normal``) until the session is drained;
         returns how many further requests joined the session.
 
-        Every step the leader shares its batch signature (lockstep check) and the ids of
-        binds for this same group that it has received, in order; at the next step
-        boundary every member admits them into the running session (continuous
-        batching inside the group). The session ends only on an empty plan with nothing
-        waiting, running or announced: all three are the same on every member.
+        Every step the leader shares its batch signature (lockstep check), the ids of
+        binds for this same group that it has received, in order, and the requests the
+        client aborted; at the next step boundary every member admits the binds into the
+        running session (continuous batching inside the group) and aborts the requests.
+        The session ends only on an empty plan with nothing waiting, running or
+        announced: all three are the same on every member.
         """
-        idle, joined, announced, dp_waiting = 0, 0, [], 0
+        idle, joined = 0, 0
+        shared = exchange.Shared([], [], 0)
+        is_leader = member.tp_rank == 0
         t_start = time.monotonic()
         for _ in range(MAX_SESSION_STEPS):
-            if announced:
-                joined += admission.admit(self, scheduler, member, session, announced)
+            if shared.aborts:
+                self.counters.client_aborts += aborts.apply(
+                    scheduler, containment.session_reqs(scheduler), shared.aborts
+                )
+            if shared.offers:
+                joined += admission.admit(self, scheduler, member, session, shared.offers)
             plan = next_batch(
                 scheduler, running_batch=scheduler.running_batch, last_batch=scheduler.last_batch
             )
@@ -205,15 +294,21 @@ class FlyingEngine:
             batch = plan.batch_to_run
             scheduler.last_batch = batch
             self.poll(scheduler)
+            self.publish(scheduler)
+            self.faults.check("step")
             # Admission stays open while no member has DP work waiting; once one has,
             # for MAX_ADMIT_S more at most (hard preemption delays DP, never starves it).
-            if dp_waiting and time.monotonic() - t_start > MAX_ADMIT_S:
+            if shared.dp_waiting and time.monotonic() - t_start > MAX_ADMIT_S:
                 session.admitting = False
-            offer = admission.candidates(self.pending, bind) if session.admitting else []
-            announced, dp_waiting = _exchange(member, batch, offer, session.has_dp_work(self))
+            offers = admission.candidates(self.pending, bind) if session.admitting else []
+            due = (
+                self.aborts.due(containment.session_reqs(scheduler), exchange.MAX_ABORTS)
+                if is_leader else []
+            )
+            shared = exchange.exchange(member, batch, offers, due, session.has_dp_work(self))
             if batch is None:
                 if not scheduler.waiting_queue and scheduler.running_batch.is_empty():
-                    if not announced:
+                    if not shared.offers and not shared.aborts:
                         return joined
                     continue
                 idle += 1
@@ -226,17 +321,23 @@ class FlyingEngine:
         raise RuntimeError("flying: TP session did not finish")
 
 
+def tp_scope_reserve(scheduler, tokens: int, degree: int):
+    from flying import tp_scope
+
+    return tp_scope.reserve_for(scheduler, tokens, degree)
+
+
+def drain_keys(bind: Bind) -> list[str]:
+    """Soft preemption: the store keys by which the members announce they drained."""
+    return [f"flying/drain/{bind.bind_id}/{r}" for r in bind.ranks]
+
+
 def _nothing_running(scheduler) -> bool:
     """No DP request is running or about to be merged into the running batch."""
     last = scheduler.last_batch
     return scheduler.running_batch.is_empty() and (
         last is None or all(r.finished() for r in last.reqs)
     )
-
-
-def tokens_needed(bind: Bind) -> int:
-    """KV tokens one TP request of ``bind`` may use: prompt + max_new_tokens + slack."""
-    return len(bind.req.input_ids) + bind.req.sampling_params.max_new_tokens + ADMISSION_SLACK
 
 
 def _describe(scheduler) -> str:
@@ -250,30 +351,6 @@ def _describe(scheduler) -> str:
         f"free_tp_slots={alloc.available_size()} "
         f"free_req_slots={scheduler.req_to_token_pool.available_size()}"
     )
-
-
-def _signature(batch) -> list[int]:
-    if batch is None:
-        return [0, 0, 0]
-    lens = sum(len(r.origin_input_ids) + len(r.output_ids) for r in batch.reqs)
-    return [len(batch.reqs), lens, int(batch.forward_mode.value) + 1]
-
-
-def _exchange(member, batch, offer: list[int], has_dp_work: bool) -> tuple[list[int], int]:
-    """One collective per step: check that every member formed the leader's batch, learn
-    the bind ids the leader offers for admission at the next boundary, and how many
-    members have DP work waiting."""
-    mine = _signature(batch)
-    padded = [len(offer), *offer, *[0] * (admission.MAX_PER_STEP - len(offer))]
-    shared, waiting = member.share_ints(
-        mine + padded, 4 + admission.MAX_PER_STEP, own=int(has_dp_work)
-    )
-    if shared[:3] != mine:
-        raise RuntimeError(
-            f"flying: TP group out of lockstep: leader batch {shared[:3]}, "
-            f"member {member.tp_rank} batch {mine}"
-        )
-    return shared[4 : 4 + shared[3]], waiting
 
 
 _ENGINE: FlyingEngine | None = None

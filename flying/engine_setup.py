@@ -25,7 +25,8 @@ def attach(scheduler) -> None:
     num_engines = get_parallel().dp_size
     prefix = address.replace(":", "_")
     pool = CommPool.create(address, dp_rank, num_engines, degrees, prefix=prefix)
-    engine = FlyingEngine(dp_rank, pool, cfg.bind_timeout_s, cfg.preempt)
+    dp_limit = min(int(scheduler.max_req_len), int(scheduler.model_config.context_len))
+    engine = FlyingEngine(dp_rank, pool, cfg.bind_timeout_s, cfg.preempt, dp_limit=dp_limit)
     set_engine(engine)
     status.publish(pool.store, dp_rank, engine, scheduler)
 
@@ -37,7 +38,7 @@ def run_pending(scheduler, engine: FlyingEngine, next_batch) -> None:
     finally:
         # a draining step that started nothing changes nothing worth publishing
         if not (was_draining and engine.draining):
-            status.publish(engine.pool.store, engine.dp_rank, engine, scheduler)
+            engine.publish(scheduler, force=True)
 
 
 def drain_step(scheduler, next_batch, *args, **kwargs):

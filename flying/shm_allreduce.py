@@ -64,6 +64,9 @@ _LINE = 64  # bytes per rank line (one cache line)
 _ALIGN = 4096
 _NAME_LEN = 64  # characters of a segment name carried through the setup all-reduce
 _VIEW_CACHE_MAX = 1024
+#: Header word (int64 index) that a member sets to poison the group after a fault: every
+#: peer waiting in a collective raises at once instead of waiting for the timeout.
+_POISON_WORD = 4
 
 #: Dtypes the shared path sums; others (and all-gathers of any dtype) are fine for gather.
 REDUCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -144,6 +147,7 @@ class ShmAllReduce:
         self.rank, self.world, self.slot_bytes = rank, world, slot_bytes
         self.label, self.policy = label, policy
         self._mm = mm
+        self._header = np.frombuffer(mm, dtype=np.int64, count=_HEADER // 8, offset=0)
         lines = np.frombuffer(mm, dtype=np.int64, count=world * _LINE // 8, offset=_HEADER)
         self._lines = lines.reshape(world, _LINE // 8)  # [W, 8]: seq, pid, pidns, ...
         self._seq_col = self._lines[:, 0]
@@ -263,6 +267,8 @@ class ShmAllReduce:
         """Steps 1-3 of the protocol; returns the W slots to read (rank order)."""
         if self.broken is not None:
             raise ShmAllReduceError(f"flying: {self.label}: group is unusable: {self.broken}")
+        if self._header[_POISON_WORD]:
+            self._fail(-1, self._seq + 1, "the group was poisoned by a member's fault")
         seq = self._seq + 1
         views = self._views(seq & 1, t)
         views[self.rank].copy_(t)
@@ -309,15 +315,21 @@ class ShmAllReduce:
         col, p = self._seq_col, self.policy
         start = time.perf_counter()
         spins = 0
+        header = self._header
         while col[peer] < seq:  # spin: no syscalls, a clock read every 64 polls
             spins += 1
-            if spins & 63 == 0 and time.perf_counter() - start > p.spin_s:
-                break
+            if spins & 63 == 0:
+                if header[_POISON_WORD]:
+                    self._fail(peer, seq, "a member poisoned the group after a fault")
+                if time.perf_counter() - start > p.spin_s:
+                    break
         else:
             return
         sleep = p.first_sleep_s
         next_liveness = start + 0.5
         while col[peer] < seq:
+            if header[_POISON_WORD]:
+                self._fail(peer, seq, "a member poisoned the group after a fault")
             now = time.perf_counter()
             if now - start < p.yield_s:
                 os.sched_yield()
@@ -351,6 +363,33 @@ class ShmAllReduce:
         )
         raise ShmAllReduceError(f"flying: {self.label}: {self.broken}")
 
+    # -- faults --------------------------------------------------------------------
+
+    def poison(self) -> None:
+        """Mark the group failed: every member waiting in (or entering) a collective
+        raises ``ShmAllReduceError`` within one poll, so a fault on one member ends the
+        session on all of them in milliseconds, not after ``timeout_s``."""
+        if self._header is not None:
+            self._header[_POISON_WORD] = 1
+
+    def published_max(self) -> int:
+        """The highest sequence number any member has published."""
+        return int(self._seq_col.max())
+
+    def resync(self, base: int, clear_poison: bool) -> None:
+        """Start a new epoch at sequence ``base`` (the same on every member).
+
+        Only at a bind rendezvous, when no member is inside a collective: after a fault
+        the members' counters may differ (one left mid-collective), so each session
+        starts from a base the leader chose above every published number. The leader
+        clears the poison (``clear_poison``) before it announces the base.
+        """
+        if clear_poison and self._header is not None:
+            self._header[_POISON_WORD] = 0
+        self._seq = base
+        if self.broken is not None and self.broken != "closed":
+            self.broken = None
+
     # -- teardown ------------------------------------------------------------------
 
     def close(self) -> None:
@@ -359,5 +398,6 @@ class ShmAllReduce:
         self._views_cache.clear()
         self._data = None  # type: ignore[assignment]
         self._lines = self._seq_col = None  # type: ignore[assignment]
+        self._header = None  # type: ignore[assignment]
         self._finalizer()
 

@@ -1,7 +1,9 @@
 """Per-engine status published through the launcher's TCPStore, read by /flying/status.
 
-Engines write a small JSON document under ``flying/status/<rank>`` at startup and at
-every bind and release; the HTTP process (which hosts the store) reads them. No extra
+Engines write a small JSON document under ``flying/status/<rank>`` at startup, at
+every bind and release, and every ``STATUS_EVERY_S`` while a session runs; the HTTP
+process (which hosts the store) reads them. Inside a session the KV and row counts are
+the session's (its reserved pool), so idle checks read them in DP mode. No extra
 socket, and a read never waits on a busy engine.
 """
 
@@ -14,7 +16,7 @@ from dataclasses import asdict
 def publish(store, dp_rank: int, engine, scheduler=None) -> None:
     doc = {
         "rank": dp_rank,
-        "mode": engine.mode,
+        "mode": str(engine.mode),
         **(_kv_slots(scheduler) if scheduler is not None else {}),
         "degrees": sorted(engine.pool.members) if engine.pool else [],
         "pending_binds": len(engine.pending),
@@ -28,7 +30,13 @@ def _kv_slots(scheduler) -> dict:
     """Free KV slots (free + evictable cached prefixes) and the pool size."""
     free = scheduler.token_to_kv_pool_allocator.available_size()
     free += scheduler.tree_cache.evictable_size()
-    return {"free_kv_slots": int(free), "total_kv_slots": int(scheduler.max_total_num_tokens)}
+    rows = scheduler.req_to_token_pool
+    return {
+        "free_kv_slots": int(free),
+        "total_kv_slots": int(scheduler.max_total_num_tokens),
+        "free_req_rows": int(rows.available_size()),
+        "total_req_rows": int(rows.size),
+    }
 
 
 def read_all(store, num_engines: int) -> dict:
@@ -44,6 +52,9 @@ def read_all(store, num_engines: int) -> dict:
     groups = sorted({e["mode"] for e in engines if str(e.get("mode", "")).startswith("tp")})
     totals = {
         k: sum(e.get(k, 0) for e in engines)
-        for k in ("binds", "releases", "aborted_binds", "preempted_dp_requests", "tp_requests")
+        for k in (
+            "binds", "releases", "aborted_binds", "faulted_sessions", "client_aborts",
+            "rerun_in_dp", "preempted_dp_requests", "tp_requests",
+        )
     }
     return {"engines": engines, "bound_modes": groups, "totals": totals}

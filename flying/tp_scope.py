@@ -7,7 +7,9 @@
 - scheduler: allocator and a disabled prefix cache for TP requests (they never enter
   the DP radix tree: different index space, partial heads), its DP queues and running
   batch (stashed, untouched: hard preemption keeps their KV), capacity limits;
-- outputs: non-leaders stream nothing (the leader answers for the group).
+- sampling: the sampler's token sync (SGLang's ``_sync_token_ids_across_tp``) shares the
+  leader's token ids with every member, every step;
+- outputs: non-leaders send nothing to the client (the leader answers for the group).
 """
 
 from __future__ import annotations
@@ -171,6 +173,8 @@ class Session:
     dp_running: object = None  # the engine's paused DP batch (stashed, KV kept)
     dp_waiting: list = dataclasses.field(default_factory=list)  # its stashed DP queue
     size_holders: list = dataclasses.field(default_factory=list)  # see _pool_size_holders
+    #: rid -> the request as it arrived (to re-run it in DP if the session fails early)
+    tokenized: dict = dataclasses.field(default_factory=dict)
 
     def has_dp_work(self, engine) -> bool:
         """Whether DP work waits for this session to end on this member."""
@@ -197,8 +201,22 @@ class Session:
         self.reservations = []
 
 
+def _token_sync(member, faults):
+    """The sampler's per-step token sync, bound to the group: the leader's ids win.
+    ``ids``: [bs] int tensor, overwritten in place (SGLang's contract)."""
+
+    def sync(ids, sampling_info) -> None:
+        if faults is not None:
+            faults.check("sample")
+        member.share_tokens_(ids)
+
+    return sync
+
+
 @contextlib.contextmanager
-def session_scope(scheduler, member, reservation, is_leader: bool) -> Iterator[Session]:
+def session_scope(
+    scheduler, member, reservation, is_leader: bool, faults=None
+) -> Iterator[Session]:
     """TP mode for one bound session; yields its ``Session``. The caller releases the
     reservations (``Session.release_all``) after leaving the scope."""
     from sglang.srt.managers.schedule_batch import ScheduleBatch
@@ -232,8 +250,10 @@ def session_scope(scheduler, member, reservation, is_leader: bool) -> Iterator[S
         (scheduler, "max_req_len", capacity - 1),
         (scheduler, "max_req_input_len", capacity - 1),
     ]
+    swaps.append((runner.sampler, "_sync_token_ids_across_tp", _token_sync(member, faults)))
     if not is_leader:
         swaps.append((streamer, "send_to_detokenizer", _NullSender()))
+        swaps.append((scheduler.ipc_channels, "send_to_tokenizer", _NullSender()))
     with _swap(swaps):
         # The backend reads the pool at construction, so it is built inside the swap.
         with _swap([(runner, "attn_backend", type(runner.attn_backend)(runner))]):

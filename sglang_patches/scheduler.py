@@ -2,7 +2,8 @@
 
 - ``__init__`` (after): give the engine its Flying state and communicator pool.
 - ``process_input_requests`` (around): take Flying's Bind messages out of the input
-  batch (they arrive on the same socket as requests, so they are ordered with them).
+  batch (they arrive on the same socket as requests, so they are ordered with them)
+  and note client aborts (a bind whose request was aborted is voted down).
 - ``get_next_batch_to_run`` (around): the step boundary; run pending TP sessions first
   (under soft preemption, first drain the running DP requests).
 """
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 from flying import engine_setup
 from flying.engine import get_engine
-from flying.messages import Bind
 
 
 def init(result, scheduler, *args, **kwargs):
@@ -20,12 +20,8 @@ def init(result, scheduler, *args, **kwargs):
 
 def process_input_requests(original, scheduler, recv_reqs):
     engine = get_engine()
-    if engine is not None:
-        binds = [r for r in recv_reqs if isinstance(r, Bind)]
-        if binds:
-            for bind in binds:
-                engine.on_bind(bind)
-            recv_reqs = [r for r in recv_reqs if not isinstance(r, Bind)]
+    if engine is not None and recv_reqs:
+        recv_reqs = [r for r in recv_reqs if not engine.on_input(r)]
     return original(scheduler, recv_reqs)
 
 

@@ -20,7 +20,11 @@ def _member(address, rank, engines, binds, delays, out):
     results = [t.tolist()]
     for bind_id, delay in zip(binds, delays[rank], strict=True):
         time.sleep(delay)
-        results.append(pool.rendezvous(bind_id, 2, ok=True, timeout_s=0.5))
+        results.append(pool.rendezvous(bind_id, 2, vote="", timeout_s=0.5).encode())
+    time.sleep(2.5)  # the late member's read completes the cleanup
+    results.append(sorted(k for k in ("flying/bind/a/decision", "flying/bind/a/read",
+                                      "flying/bind/a/arrive/0", "flying/bind/b/decision")
+                          if pool.store.check([k])))
     out.put((rank, results))
 
 
@@ -49,9 +53,10 @@ def test_group_all_reduce_and_agreed_decisions():
     # (the leader decides after 0.5 s; the late member reads that decision)
     res = _run(delays={0: [0.0, 0.0], 1: [0.0, 2.0]}, binds=["a", "b"])
     assert res[0][0] == res[1][0] == [3.0] * 4
-    assert res[0][1] == res[1][1] == "go"
+    assert res[0][1] == res[1][1] and res[0][1].startswith("go:")
     assert res[0][2] == res[1][2]
     assert res[0][2].startswith("abort:") and "did not arrive" in res[0][2]
+    assert res[0][3] == res[1][3] == []  # the last reader deleted every key of both binds
 
 
 def test_leader_late_means_member_aborts_and_leader_agrees():
@@ -99,3 +104,37 @@ def test_admission_offers_only_the_head_of_the_queue_for_the_same_group():
     many = deque(b(i) for i in range(1, 20))
     assert candidates(many, session) == list(range(1, MAX_PER_STEP + 1))
     assert bind_key(b(0xABCDEF)) == 0xABCDEF
+
+
+def _fault(address, rank, out):
+    """Rank 1 leaves a collective its peer entered (a fault mid-step) and poisons the
+    group; rank 0 must raise at once, and after the next rendezvous both must agree on
+    the shared-memory epoch again."""
+    from flying.shm_allreduce import ShmAllReduceError
+
+    pool = CommPool.create(address, rank, 2, [2], prefix="fault")
+    m = pool.member(2)
+    m.all_reduce(torch.ones(8))
+    woke = None
+    if rank == 0:
+        t0 = time.perf_counter()
+        try:
+            m.all_reduce(torch.ones(8))  # rank 1 never enters this one
+        except ShmAllReduceError:
+            woke = time.perf_counter() - t0
+    else:
+        time.sleep(0.3)
+        m.poison()
+    verdict = pool.rendezvous("f1", 2, vote="", timeout_s=5.0)
+    after = m.all_reduce(torch.full((8,), float(rank + 1))).tolist()
+    ids = torch.tensor([rank * 10 + 1, rank * 10 + 2])
+    m.share_tokens_(ids)
+    out.put((rank, {"woke": woke, "go": verdict.go, "after": after, "ids": ids.tolist()}))
+
+
+def test_poisoned_group_wakes_peers_and_resyncs_at_the_next_bind():
+    res = _two_engines(_fault)
+    assert res[0]["woke"] is not None and res[0]["woke"] < 2.0
+    assert res[0]["go"] and res[1]["go"]
+    assert res[0]["after"] == res[1]["after"] == [3.0] * 8
+    assert res[0]["ids"] == res[1]["ids"] == [1, 2]  # the leader's tokens everywhere

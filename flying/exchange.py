@@ -1,0 +1,63 @@
+"""The per-step exchange of a group session: one small collective per step.
+
+Every step each member contributes the signature of the batch it formed; the leader's
+values reach everyone, with the leader's offers and abort announcements, and the count
+of members that have DP work waiting (a sum). Layout of the shared ints (fixed width, so
+every member issues the identical collective)::
+
+    [signature: SIG][n_offers, offers: MAX_OFFERS][n_aborts, aborts: MAX_ABORTS]
+
+The signature covers what must be identical on every member for the group to be in
+lockstep: the batch size, the tokens in the batch (prompt + output lengths), the forward
+mode, and a checksum of the requests' last output token ids (the leader's, shared every
+step by ``Member.share_tokens_``). A member whose signature differs raises
+``LockstepError``; containment ends the session on every member.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SIG = 4
+MAX_OFFERS = 8  # binds offered for admission per step
+MAX_ABORTS = 4  # client aborts announced per step
+WIDTH = SIG + 1 + MAX_OFFERS + 1 + MAX_ABORTS
+_CHECKSUM_MOD = 1 << 40
+
+
+class LockstepError(RuntimeError):
+    """A member formed a different batch than the leader."""
+
+
+@dataclass(frozen=True)
+class Shared:
+    offers: list[int]  # bind keys the leader offers for admission at the next boundary
+    aborts: list[int]  # rid keys the leader announces as aborted
+    dp_waiting: int  # members with DP work waiting for this session to end
+
+
+def signature(batch) -> list[int]:
+    if batch is None:
+        return [0] * SIG
+    lens = sum(len(r.origin_input_ids) + len(r.output_ids) for r in batch.reqs)
+    check = sum(r.output_ids[-1] + 1 for r in batch.reqs if r.output_ids) % _CHECKSUM_MOD
+    return [len(batch.reqs), lens, int(batch.forward_mode.value) + 1, check]
+
+
+def _padded(values: list[int], width: int) -> list[int]:
+    return [len(values), *values, *[0] * (width - len(values))]
+
+
+def exchange(member, batch, offers: list[int], aborts: list[int], dp_work: bool) -> Shared:
+    """One collective: check lockstep, learn the leader's offers and aborts."""
+    mine = signature(batch)
+    values = mine + _padded(offers[:MAX_OFFERS], MAX_OFFERS) + _padded(aborts[:MAX_ABORTS], MAX_ABORTS)
+    shared, waiting = member.share_ints(values, WIDTH, own=int(dp_work))
+    if shared[:SIG] != mine:
+        raise LockstepError(
+            f"flying: TP group out of lockstep: leader batch {shared[:SIG]}, "
+            f"member {member.tp_rank} batch {mine}"
+        )
+    o = SIG
+    a = o + 1 + MAX_OFFERS
+    return Shared(shared[o + 1 : o + 1 + shared[o]], shared[a + 1 : a + 1 + shared[a]], waiting)

@@ -1,0 +1,82 @@
+"""Test-only fault injection for group sessions (off unless ``FLYING_TEST_FAULTS=1``).
+
+Containment (a fault ends its session only) has to be proven at every stage of a
+session, on a real server. With the environment variable set, the launcher mounts
+``POST /flying/test/fault`` (body ``{"stage": ..., "rank": ...}``), which arms one fault in
+the launcher's TCPStore; the engine of that rank reads the armed fault once per bind and
+raises ``InjectedFault`` when it reaches the stage, consuming it (it fires once).
+Without the variable nothing is mounted, nothing is read, and ``check`` is a no-op.
+
+Stages, in session order:
+- ``bind``: before the member votes in the rendezvous (the bind is aborted everywhere);
+- ``scope``: inside the mode scope, before the request is handed to SGLang;
+- ``step``: between two group steps (the peers wait at the next collective);
+- ``sample``: inside the per-step token sync, i.e. mid-collective for the peers;
+- ``release``: after the last step, before the scope is left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+ENV = "FLYING_TEST_FAULTS"
+KEY = "flying/test/fault"
+STAGES = ("bind", "scope", "step", "sample", "release")
+
+
+class InjectedFault(RuntimeError):
+    """Raised by ``FaultSwitch.check`` at an armed stage (tests only)."""
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV) == "1"
+
+
+class FaultSwitch:
+    """One engine's view of the armed fault; ``refresh`` once per bind, ``check`` often."""
+
+    def __init__(self, store, rank: int):
+        self.store = store
+        self.rank = rank
+        self.on = enabled() and store is not None
+        self.armed: str | None = None  # the stage armed for this engine, if any
+
+    def refresh(self) -> None:
+        if not self.on:
+            return
+        self.armed = None
+        if self.store.check([KEY]):
+            spec = json.loads(self.store.get(KEY))
+            if int(spec.get("rank", -1)) == self.rank:
+                self.armed = str(spec.get("stage"))
+
+    def check(self, stage: str) -> None:
+        if self.armed != stage:
+            return
+        self.armed = None
+        self.store.delete_key(KEY)  # fire once
+        raise InjectedFault(f"injected fault at stage {stage!r} on engine {self.rank}")
+
+
+def arm(store, stage: str, rank: int) -> None:
+    """Arm one fault (the HTTP route's body); raises ValueError on a bad stage."""
+    if stage not in STAGES:
+        raise ValueError(f"unknown fault stage {stage!r}; expected one of {STAGES}")
+    store.set(KEY, json.dumps({"stage": stage, "rank": int(rank)}))
+
+
+def mount(app, store_of) -> None:
+    """``POST /flying/test/fault`` on SGLang's app (only when ``enabled()``)."""
+    from fastapi import Request
+    from fastapi.responses import JSONResponse
+
+    async def fault(request: Request):
+        body = await request.json()
+        try:
+            arm(store_of(), str(body.get("stage")), int(body.get("rank", 0)))
+        except (ValueError, TypeError) as exc:
+            return JSONResponse({"error": str(exc)}, status_code=400)
+        return JSONResponse({"armed": body})
+
+    app.add_api_route("/flying/test/fault", fault, methods=["POST"])
