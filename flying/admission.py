@@ -43,16 +43,21 @@ def tokens_needed(bind: Bind, dp_limit: int) -> int:
     """KV tokens one TP request of ``bind`` may use: prompt + max_new_tokens + slack.
 
     Without max_new_tokens (an OpenAI chat request without max_tokens) SGLang lets a
-    request grow to the engine's max_req_len; the group reserves the same, so the
-    request may produce exactly what it would produce in DP.
+    request grow to the engine's max_req_len; the request gets that bound explicitly
+    and the group reserves it, so it may produce exactly what it would in DP.
     """
     prompt = len(bind.req.input_ids or ())
-    wanted = getattr(bind.req.sampling_params, "max_new_tokens", None)
-    if wanted is None:
-        total = max(prompt + 1, dp_limit)
-    else:
-        total = prompt + max(0, int(wanted))
-    return total + ADMISSION_SLACK
+    return prompt + resolve_max_new_tokens(bind.req, dp_limit) + ADMISSION_SLACK
+
+
+def resolve_max_new_tokens(req, dp_limit: int) -> int:
+    """Give a request without max_new_tokens the bound SGLang gives it in DP
+    (``max_req_len - prompt - 1``), so it produces the same tokens in a group, whose
+    own max_req_len is its pooled capacity. Returns the bound."""
+    params = req.sampling_params
+    if params.max_new_tokens is None:
+        params.max_new_tokens = max(0, dp_limit - len(req.input_ids or ()) - 1)
+    return max(0, int(params.max_new_tokens))
 
 
 def bind_key(bind: Bind) -> int:
@@ -112,6 +117,5 @@ def admit(engine, scheduler, member, session, keys: list[int]) -> int:
     for bind, res in zip(binds[:agreed], reservations[:agreed], strict=True):
         engine.pending.remove(bind)
         session.grow(res)
-        session.tokenized[bind.req.rid] = bind.req
-        scheduler.handle_generate_request(bind.req)
+        session.hand(scheduler, bind.req)
     return agreed

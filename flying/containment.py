@@ -8,9 +8,10 @@ at once) and every member then runs ``abandon`` inside the still-active mode sco
 - every request of the session leaves SGLang's session queues; its request row (in the
   ``req_to_token_pool`` that DP and TP share) is freed; its KV sub-slots need nothing:
   the session's reserved DP slots are returned whole when the session releases;
-- on the leader, which alone talks to the client: a request that has produced no token
-  yet is handed back to be re-run in DP after the scope is left (the client sees an
-  ordinary answer); one that has streamed tokens ends with an explicit error.
+- on the leader, which alone talks to the client: a request that has sent the client
+  nothing yet (any non-streaming one, a stream before its first chunk) is handed back
+  to be re-run in DP after the scope is left (the client sees an ordinary answer); one
+  that has streamed tokens ends with an explicit error (HTTP 500 in its final chunk).
 
 Non-leaders send nothing: their sockets to the client are null senders in the scope.
 """
@@ -42,19 +43,23 @@ def session_reqs(scheduler) -> list:
     return out
 
 
-def abandon(scheduler, is_leader: bool, message: str, tokenized: dict[str, object]) -> list:
+def abandon(
+    scheduler, is_leader: bool, message: str, tokenized: dict[str, object], handed: set[str]
+) -> list:
     """Take every request out of the failed session; returns (leader only) the tokenized
-    requests to re-run in DP. ``tokenized`` maps rid -> the request as it arrived."""
+    requests to re-run in DP. ``tokenized`` maps rid -> the request as it arrived (for
+    every request that joined the session), ``handed`` holds the rids already handed to
+    SGLang: one that joined but was never handed is re-run too."""
     from sglang.srt.managers.io_struct import AbortReq
     from sglang.srt.managers.schedule_batch import ScheduleBatch
 
-    rerun = []
+    rerun = [req for rid, req in tokenized.items() if rid not in handed] if is_leader else []
     for req in session_reqs(scheduler):
         if req.kv.holds_kv:
             scheduler.req_to_token_pool.free(req)
         if not is_leader or req.finished_output:  # non-leaders never answer
             continue
-        if not req.output_ids and req.rid in tokenized:
+        if req.send_token_offset == 0 and req.rid in tokenized:  # nothing sent yet
             rerun.append(tokenized[req.rid])
             continue
         reason = {"type": "abort", "message": message, "status_code": FAULT_STATUS,

@@ -203,8 +203,11 @@ class FlyingEngine:
             tp_scope.release(scheduler, reservation)
             self.counters.aborted_binds += 1
             logger.warning("flying: bind %s aborted: %s", bind.bind_id, verdict.reason)
-            if is_leader:
-                tp_scope.reject(scheduler, bind.req, f"TP-{degree} bind failed: {verdict.reason}")
+            if is_leader and self.aborts.hits(bind.req.rid):
+                tp_scope.reject(scheduler, bind.req, "request aborted by the client")
+            elif is_leader:  # the group could not form: serve the request in DP instead
+                self.counters.rerun_in_dp += 1
+                scheduler.handle_generate_request(bind.req)
             return
         member = self.pool.member(degree)
         paused = len(scheduler.running_batch.reqs) + len(scheduler.waiting_queue)
@@ -224,9 +227,9 @@ class FlyingEngine:
                 )
                 self.publish(scheduler, force=True)
                 try:
-                    self.faults.check("scope")
                     session.tokenized[bind.req.rid] = bind.req
-                    scheduler.handle_generate_request(bind.req)
+                    self.faults.check("scope")
+                    session.hand(scheduler, bind.req)
                     admitted = 1 + self._steps(scheduler, member, bind, session, next_batch)
                     self.faults.check("release")
                 except Exception as exc:  # noqa: BLE001 - containment: end this session only
@@ -235,7 +238,8 @@ class FlyingEngine:
                     self.counters.last_fault = f"{type(exc).__name__}: {exc}"[:300]
                     logger.exception("flying: engine %d: TP-%d session failed", self.dp_rank, degree)
                     rerun = containment.abandon(
-                        scheduler, is_leader, f"TP-{degree} group failed: {exc}", session.tokenized
+                        scheduler, is_leader, f"TP-{degree} group failed: {exc}",
+                        session.tokenized, session.handed,
                     )
                     admitted = len(session.tokenized)
         finally:

@@ -2,7 +2,7 @@
 
 Containment (a fault ends its session only) has to be proven at every stage of a
 session, on a real server. With the environment variable set, the launcher mounts
-``POST /flying/test/fault`` (body ``{"stage": ..., "rank": ...}``), which arms one fault in
+``POST /flying/test/fault`` (body ``{"stage": ..., "rank": ..., "after": n}``), which arms one fault in
 the launcher's TCPStore; the engine of that rank reads the armed fault once per bind and
 raises ``InjectedFault`` when it reaches the stage, consuming it (it fires once).
 Without the variable nothing is mounted, nothing is read, and ``check`` is a no-op.
@@ -41,6 +41,7 @@ class FaultSwitch:
         self.rank = rank
         self.on = enabled() and store is not None
         self.armed: str | None = None  # the stage armed for this engine, if any
+        self.countdown = 0  # checks of the armed stage to let pass before firing
 
     def refresh(self) -> None:
         if not self.on:
@@ -50,20 +51,25 @@ class FaultSwitch:
             spec = json.loads(self.store.get(KEY))
             if int(spec.get("rank", -1)) == self.rank:
                 self.armed = str(spec.get("stage"))
+                self.countdown = int(spec.get("after", 0))
 
     def check(self, stage: str) -> None:
         if self.armed != stage:
+            return
+        if self.countdown > 0:
+            self.countdown -= 1
             return
         self.armed = None
         self.store.delete_key(KEY)  # fire once
         raise InjectedFault(f"injected fault at stage {stage!r} on engine {self.rank}")
 
 
-def arm(store, stage: str, rank: int) -> None:
-    """Arm one fault (the HTTP route's body); raises ValueError on a bad stage."""
+def arm(store, stage: str, rank: int, after: int = 0) -> None:
+    """Arm one fault (the HTTP route's body): at the ``after``-th next check of
+    ``stage`` on engine ``rank``. Raises ValueError on a bad stage."""
     if stage not in STAGES:
         raise ValueError(f"unknown fault stage {stage!r}; expected one of {STAGES}")
-    store.set(KEY, json.dumps({"stage": stage, "rank": int(rank)}))
+    store.set(KEY, json.dumps({"stage": stage, "rank": int(rank), "after": int(after)}))
 
 
 def mount(app, store_of) -> None:
@@ -71,12 +77,14 @@ def mount(app, store_of) -> None:
     from fastapi import Request
     from fastapi.responses import JSONResponse
 
-    async def fault(request: Request):
+    async def fault(request):
         body = await request.json()
         try:
-            arm(store_of(), str(body.get("stage")), int(body.get("rank", 0)))
+            arm(store_of(), str(body.get("stage")), int(body.get("rank", 0)),
+                int(body.get("after", 0)))
         except (ValueError, TypeError) as exc:
             return JSONResponse({"error": str(exc)}, status_code=400)
         return JSONResponse({"armed": body})
 
+    fault.__annotations__["request"] = Request  # resolved here: fastapi is imported lazily
     app.add_api_route("/flying/test/fault", fault, methods=["POST"])

@@ -132,7 +132,11 @@ def add_routes(num_engines: int) -> None:
 
     def read_status() -> dict:
         store = hosted_store()
-        return status.read_all(store, num_engines) if store is not None else {"engines": []}
+        if store is None:
+            return {"engines": []}
+        doc = status.read_all(store, num_engines)
+        doc["store_keys"] = store.num_keys()  # flat over time: no key outlives its bind
+        return doc
 
     async def flying_status():
         doc = read_status()
@@ -141,6 +145,10 @@ def add_routes(num_engines: int) -> None:
 
     app.add_api_route("/flying/status", flying_status, methods=["GET"])
     metrics.mount(app, read_status)
+    from flying import faults
+
+    if faults.enabled():  # test-only fault injection (FLYING_TEST_FAULTS=1)
+        faults.mount(app, hosted_store)
 
 
 

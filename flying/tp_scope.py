@@ -175,6 +175,13 @@ class Session:
     size_holders: list = dataclasses.field(default_factory=list)  # see _pool_size_holders
     #: rid -> the request as it arrived (to re-run it in DP if the session fails early)
     tokenized: dict = dataclasses.field(default_factory=dict)
+    handed: set = dataclasses.field(default_factory=set)  # rids handed to SGLang
+
+    def hand(self, scheduler, req) -> None:
+        """Give a joining request to SGLang (remembered for containment)."""
+        self.tokenized[req.rid] = req
+        self.handed.add(req.rid)
+        scheduler.handle_generate_request(req)
 
     def has_dp_work(self, engine) -> bool:
         """Whether DP work waits for this session to end on this member."""

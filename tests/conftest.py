@@ -20,9 +20,9 @@ def demo_model_dir() -> Path:
     return ensure_demo_model()
 
 
-def serve(log: Path, *args: str) -> Iterator[Server]:
+def serve(log: Path, *args: str, env: dict[str, str] | None = None) -> Iterator[Server]:
     """A ``python -m flying.launch`` server with ``args`` for a fixture (``yield from``)."""
-    server = Server(list(args), log)
+    server = Server(list(args), log, env=env)
     try:
         server.wait_ready()
         yield server
@@ -30,7 +30,9 @@ def serve(log: Path, *args: str) -> Iterator[Server]:
         server.stop()
 
 
-def demo_server(model_dir: Path, log: Path, *extra: str) -> Iterator[Server]:
+def demo_server(
+    model_dir: Path, log: Path, *extra: str, env: dict[str, str] | None = None
+) -> Iterator[Server]:
     """The demo model on 2 engines, for a fixture.
 
     Normal requests stay DP (``static-dp``: deterministic routing for the tests);
@@ -39,13 +41,18 @@ def demo_server(model_dir: Path, log: Path, *extra: str) -> Iterator[Server]:
     yield from serve(
         log, "--model-path", str(model_dir), "--dp-size", "2",
         "--max-total-tokens", str(MAX_TOTAL_TOKENS), "--flying-policy", "static-dp", *extra,
+        env=env,
     )
 
 
 @pytest.fixture(scope="session")
 def dp2_server(demo_model_dir: Path, tmp_path_factory) -> Iterator[Server]:
-    """The shared server of the integration tier (hard preemption, the default)."""
-    yield from demo_server(demo_model_dir, tmp_path_factory.mktemp("dp2") / "server.log")
+    """The shared server of the integration tier (hard preemption, the default), with
+    the test-only fault switch mounted (it does nothing until a test arms a fault)."""
+    yield from demo_server(
+        demo_model_dir, tmp_path_factory.mktemp("dp2") / "server.log",
+        env={"FLYING_TEST_FAULTS": "1"},
+    )
 
 
 def pytest_collection_modifyitems(config, items):
