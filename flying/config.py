@@ -54,6 +54,10 @@ class FlyingConfig:
     light_load: float = 0.5
     #: ...and go back to DP above this many.
     heavy_load: float = 1.5
+    #: Allow TP groups on CUDA engines. Group steps on CUDA are unverified (CUDA graphs
+    #: captured for DP would replay in group mode; attention backends are built with DP
+    #: head counts), so without this flag a GPU node serves with groups off.
+    experimental_cuda_groups: bool = False
     #: Help texts, keyed by field name (not a setting).
     _help: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
 
@@ -123,6 +127,7 @@ _HELP = {
     "preempt": "hard: pause members' DP requests (KV kept) for a bind; soft: let them finish first.",
     "light_load": "Adaptive policy: requests per engine below which engines group into TP.",
     "heavy_load": "Adaptive policy: requests per engine above which engines return to DP.",
+    "experimental_cuda_groups": "Allow TP groups on CUDA engines (unverified; off by default).",
 }
 
 
@@ -142,6 +147,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("Flying", "Online DP <-> TP switching (Flying plugin).")
     for f in fields(FlyingConfig):
         if f.name.startswith("_"):
+            continue
+        if isinstance(f.default, bool):
+            group.add_argument(
+                _flag(f.name), dest="flying_" + f.name, action="store_true", help=_HELP[f.name]
+            )
             continue
         group.add_argument(
             _flag(f.name),

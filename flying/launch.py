@@ -122,6 +122,28 @@ def resolve_degrees(argv: list[str], cfg: flying_config.FlyingConfig) -> flying_
     return replace(cfg, tp_degrees=",".join(map(str, degrees)) or "none")
 
 
+def guard_cuda_groups(
+    cfg: flying_config.FlyingConfig, on_cpu: bool
+) -> flying_config.FlyingConfig:
+    """Turn TP groups off on CUDA engines unless ``--flying-experimental-cuda-groups``.
+
+    Group steps have only been proven on the CPU platform: on CUDA, graphs captured for
+    DP batch sizes would replay in group mode and the attention backends (flashinfer,
+    triton) are built with DP head counts. Until a GPU run proves them, a GPU node serves
+    as plain DP replicas and says why.
+    """
+    from dataclasses import replace
+
+    if on_cpu or not cfg.degree_list() or cfg.experimental_cuda_groups:
+        return cfg
+    logger.warning(
+        "Flying: TP groups are off on CUDA engines (group steps on CUDA are unverified: "
+        "DP CUDA graphs and attention backends); serving as DP replicas. Pass "
+        "--flying-experimental-cuda-groups to try them."
+    )
+    return replace(cfg, tp_degrees="none")
+
+
 def add_routes(num_engines: int) -> None:
     """Flying's HTTP endpoints, on SGLang's own FastAPI app."""
     from fastapi.responses import JSONResponse
@@ -204,11 +226,13 @@ def main(argv: list[str] | None = None) -> None:
     from sglang_patches.platform import wants_cpu_platform
 
     flying_config.publish(cfg)  # the platform choice below reads it
-    sglang_argv = fill_defaults(sglang_argv, cfg, on_cpu=wants_cpu_platform())
+    on_cpu = wants_cpu_platform()
+    sglang_argv = fill_defaults(sglang_argv, cfg, on_cpu=on_cpu)
     try:
         cfg = resolve_degrees(sglang_argv, cfg)
     except flying_config.ConfigError as exc:
         raise SystemExit(f"error: {exc}") from exc
+    cfg = guard_cuda_groups(cfg, on_cpu)
     # Publish before SGLang starts any process, so every process sees the same config.
     flying_config.publish(cfg, replace=True)
     from flying.comm_pool import STORE_ENV, host_store, set_hosted_store

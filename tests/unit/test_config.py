@@ -70,3 +70,22 @@ def test_flag_reference_documented():
     for flag, default, _help in config.flag_reference():
         assert flag in text, flag
         assert default in text, (flag, default)
+
+
+def test_groups_are_off_on_cuda_unless_experimental():
+    from dataclasses import replace
+
+    from flying.launch import guard_cuda_groups
+
+    cfg = replace(config.FlyingConfig(), tp_degrees="2")
+    assert guard_cuda_groups(cfg, on_cpu=True).degree_list() == [2]
+    assert guard_cuda_groups(cfg, on_cpu=False).degree_list() == []
+    on = replace(cfg, experimental_cuda_groups=True)
+    assert guard_cuda_groups(on, on_cpu=False).degree_list() == [2]
+    args = config.add_cli_args  # the flag is a plain switch
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    args(parser)
+    assert parser.parse_args(["--flying-experimental-cuda-groups"]).flying_experimental_cuda_groups
+    assert not parser.parse_args([]).flying_experimental_cuda_groups
