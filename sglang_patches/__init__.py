@@ -108,6 +108,12 @@ PATCHES: tuple[Patch, ...] = (
         "sglang_patches.tokenizer_manager:handle_batch_output",
         "meta_info['flying']: where the request ran",
     ),
+    Patch(
+        "sglang.srt.entrypoints.http_server._wait_and_warmup",
+        "around",
+        "sglang_patches.http_server:wait_and_warmup",
+        "start-up probe: TP groups open only after a group forward matched DP",
+    ),
     # -- device collectives (sglang.srt.distributed.parallel_state) --
     Patch(
         "sglang.srt.distributed.parallel_state.GroupCoordinator.all_reduce",

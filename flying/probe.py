@@ -1,0 +1,127 @@
+"""The start-up probe: TP groups open only after a group forward matched DP.
+
+TP views are proven per model family by tests, but a server may be given any checkpoint
+SGLang can serve. Rather than a hand-kept allow-list, the launcher proves the model it
+serves: after SGLang's own warm-up (run in DP: the gate is still closed), it sends one
+short greedy request per TP degree into a group and the same request in DP, and opens
+the groups only if every group answered with DP's tokens and no session faulted.
+Otherwise the node serves with groups off (DP keeps working) and the log says why.
+
+The gate lives in the launcher's TCPStore (``GATE_KEY``): ``probing``, ``open`` or
+``closed:<reason>``. The HTTP process (which runs the probe) keeps it in memory; the DP
+controller reads it through ``GateReader`` (cached; re-read at most once a second until
+it is decided). Probe requests carry a per-launch secret header (``PROBE_HEADER``) that
+lets them into a group while the gate is not yet open; no client can know it.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+
+logger = logging.getLogger(__name__)
+
+GATE_KEY = "flying/groups"
+PROBE_HEADER = "x-flying-probe"
+PROBING, OPEN = "probing", "open"
+PROBE_TOKENS = 8
+#: Token ids of the probe prompt: plain ids every tokenizer of a real model has.
+PROBE_PROMPT = [11, 42, 7, 300, 5, 99, 64, 128, 3, 250, 17, 81]
+
+_SECRET = secrets.token_hex(16)  # HTTP process only; never leaves it
+_STATE = {"gate": PROBING}
+
+
+def secret() -> str:
+    return _SECRET
+
+
+def gate() -> str:
+    """This process's view of the gate (the HTTP process runs the probe)."""
+    return _STATE["gate"]
+
+
+def groups_open() -> bool:
+    return _STATE["gate"] == OPEN
+
+
+def is_probe(headers) -> bool:
+    return headers is not None and headers.get(PROBE_HEADER) == _SECRET
+
+
+def closed_reason() -> str:
+    g = _STATE["gate"]
+    if g == PROBING:
+        return "TP groups are not open yet: the start-up probe is running"
+    return f"TP groups are off on this node: {g.partition(':')[2]}"
+
+
+def _set(store, value: str) -> None:
+    _STATE["gate"] = value
+    if store is not None:
+        store.set(GATE_KEY, value)
+
+
+class GateReader:
+    """The gate as another process (the DP controller) sees it: cached, re-read at
+    most every ``every_s`` until it is decided (open or closed for good)."""
+
+    def __init__(self, store, every_s: float = 1.0):
+        self.store = store
+        self.every_s = every_s
+        self.value = PROBING
+        self._at = 0.0
+
+    def open(self) -> bool:
+        if self.value == PROBING and time.monotonic() - self._at >= self.every_s:
+            self._at = time.monotonic()
+            try:
+                if self.store.check([GATE_KEY]):
+                    self.value = self.store.get(GATE_KEY).decode()
+            except RuntimeError:
+                pass
+        return self.value == OPEN
+
+
+def _counts(url: str) -> tuple[int, int]:
+    import requests
+
+    totals = requests.get(url + "/flying/status", timeout=30).json().get("totals", {})
+    return totals.get("faulted_sessions", 0), totals.get("aborted_binds", 0)
+
+
+def _ask(url: str, degree: int) -> list[int]:
+    import requests
+
+    headers = {"X-Flying-TP": str(degree), PROBE_HEADER: _SECRET} if degree > 1 else {}
+    resp = requests.post(url + "/generate", json={
+        "input_ids": PROBE_PROMPT,
+        "sampling_params": {"max_new_tokens": PROBE_TOKENS, "temperature": 0, "ignore_eos": True},
+    }, headers=headers, timeout=300)
+    if resp.status_code != 200:
+        raise RuntimeError(f"HTTP {resp.status_code}: {resp.text[:200]}")
+    return resp.json()["output_ids"]
+
+
+def run(url: str, degrees: list[int], store) -> str:
+    """Probe every degree against DP; set and return the gate."""
+    if not degrees:
+        _set(store, "closed:no TP degree is allowed on this node")
+        return gate()
+    try:
+        want = _ask(url, 1)
+        for m in degrees:
+            before = _counts(url)
+            got = _ask(url, m)
+            if _counts(url) != before:
+                raise RuntimeError(f"the TP-{m} group session failed (see the engine log)")
+            if got != want:
+                raise RuntimeError(f"TP-{m} tokens {got} differ from DP tokens {want}")
+    except Exception as exc:  # noqa: BLE001 - any failure closes the gate, never the node
+        logger.error("Flying: start-up probe failed, serving with TP groups off: %s", exc)
+        _set(store, f"closed:the start-up probe failed: {exc}")
+        return gate()
+    logger.info("Flying: start-up probe passed for TP degrees %s: groups open", degrees)
+    _set(store, OPEN)
+    return gate()
