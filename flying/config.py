@@ -18,6 +18,7 @@ ENV_VAR = "FLYING_CONFIG"
 
 PLATFORMS = ("auto", "cpu", "native")
 PREEMPT_MODES = ("hard", "soft")
+TRUST_MODES = ("trust", "ignore")
 
 
 class ConfigError(ValueError):
@@ -54,6 +55,17 @@ class FlyingConfig:
     light_load: float = 0.5
     #: ...and go back to DP above this many.
     heavy_load: float = 1.5
+    #: Whether a client may set its request's priority (``X-Priority`` and SGLang's body
+    #: ``priority`` field): "trust" reads both; "ignore" drops both (SGLang's default
+    #: priority applies), so only the operator's own tooling raises priority.
+    client_priority: str = "trust"
+    #: Whether a client may force a TP group with ``X-Flying-TP``: "trust" or "ignore".
+    client_tp: str = "trust"
+    #: The most DP requests (running + waiting, from the controller's load snapshot) a
+    #: priority request may pause: a priority request goes to the least loaded group of
+    #: the largest degree only if its members hold at most this many; otherwise it runs
+    #: in DP (SGLang's own priority scheduling). -1: no bound.
+    priority_max_paused: int = -1
     #: Allow TP groups on CUDA engines. Group steps on CUDA are unverified (CUDA graphs
     #: captured for DP would replay in group mode; attention backends are built with DP
     #: head counts), so without this flag a GPU node serves with groups off.
@@ -78,6 +90,17 @@ class FlyingConfig:
         if self.preempt not in PREEMPT_MODES:
             raise ConfigError(
                 f"--flying-preempt must be one of {', '.join(PREEMPT_MODES)}, got {self.preempt!r}"
+            )
+        for name in ("client_priority", "client_tp"):
+            if getattr(self, name) not in TRUST_MODES:
+                raise ConfigError(
+                    f"{_flag(name)} must be one of {', '.join(TRUST_MODES)}, "
+                    f"got {getattr(self, name)!r}"
+                )
+        if self.priority_max_paused < -1:
+            raise ConfigError(
+                f"--flying-priority-max-paused must be >= 0, or -1 for no bound, "
+                f"got {self.priority_max_paused}"
             )
         if not 0 <= self.light_load <= self.heavy_load:
             raise ConfigError(
@@ -128,6 +151,9 @@ _HELP = {
     "light_load": "Adaptive policy: requests per engine below which engines group into TP.",
     "heavy_load": "Adaptive policy: requests per engine above which engines return to DP.",
     "experimental_cuda_groups": "Allow TP groups on CUDA engines (unverified; off by default).",
+    "client_priority": "trust: clients set priority (X-Priority, body priority); ignore: both dropped.",
+    "client_tp": "trust: clients may force a TP group with X-Flying-TP; ignore: the header is dropped.",
+    "priority_max_paused": "Most DP requests a priority group may pause (-1: no bound); beyond it: DP.",
 }
 
 
@@ -135,6 +161,8 @@ _CHOICES = {
     "platform": PLATFORMS,
     "policy": ("adaptive", "static-dp", "static-tp", "manual"),
     "preempt": PREEMPT_MODES,
+    "client_priority": TRUST_MODES,
+    "client_tp": TRUST_MODES,
 }
 
 

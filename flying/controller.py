@@ -3,6 +3,13 @@
 Runs inside SGLang's DataParallelController process (the one place every request passes
 through), which gives the one total order of binds the deadlock argument rests on: each
 engine receives its binds in the order they were issued and runs them in that order.
+
+What the controller decides itself, from the engines' load snapshots: the adaptive
+policy's placement of unmarked requests, and whether a priority request may pause its
+group's DP work (``--flying-priority-max-paused``). A request with a feature that runs in
+DP only is never bound, whatever its marker says. Nothing here may take the controller
+down: the hook (``sglang_patches.data_parallel_controller``) dispatches a request as
+plain DP when deciding fails.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ import uuid
 from flying import placement_log
 from flying.config import get_config
 from flying.layout import Group, groups_of
-from flying.messages import Bind, unmark
+from flying.messages import Bind, read_mark
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +32,7 @@ class BindIssuer:
 
     def __init__(self, num_engines: int, degrees: list[int]):
         self.num_engines = num_engines
+        self.degrees = sorted(degrees)
         self._next = {m: itertools.cycle(groups_of(m, num_engines)) for m in degrees}
         self.issued = 0
 
@@ -33,11 +41,10 @@ class BindIssuer:
             raise ValueError(f"TP degree {degree} not available; allowed {sorted(self._next)}")
         return next(self._next[degree])
 
-    def make_binds(self, req, degree: int) -> list[tuple[int, Bind]]:
+    def make_binds(self, req, degree: int, group: Group | None = None) -> list[tuple[int, Bind]]:
         """(engine rank, Bind) for every member; the request's marker is removed."""
-        _, user_key = unmark(req.routing_key)
-        req.routing_key = user_key
-        group = self.choose(degree)
+        req.routing_key = read_mark(req.routing_key).user_key
+        group = group or self.choose(degree)
         bind = Bind(
             bind_id=uuid.uuid4().hex[:12],
             degree=degree,
@@ -55,6 +62,7 @@ def attach(controller) -> None:
         BindIssuer(controller.server_args.dp_size, degrees) if degrees else None
     )
     controller._flying_policy = None
+    controller._flying_recorded = placement_log.Recorded()
 
 
 def _policy(controller):
@@ -67,21 +75,92 @@ def _policy(controller):
     return controller._flying_policy
 
 
+def strip_marker(req) -> None:
+    """Remove Flying's marker (or a forged one) from ``req``'s routing key; never raises."""
+    try:
+        if hasattr(req, "routing_key"):
+            req.routing_key = read_mark(req.routing_key).user_key
+    except Exception:  # noqa: BLE001
+        logger.exception("flying: could not clear the routing key of a request")
+
+
 def binds_for(controller, req) -> list[tuple[int, Bind]]:
-    """The binds that carry ``req`` in a TP group, or [] to dispatch it as DP."""
+    """The binds that carry ``req`` in a TP group, or [] to dispatch it as DP. Strips
+    Flying's marker from the request either way."""
+    marker = read_mark(getattr(req, "routing_key", None))
+    if hasattr(req, "routing_key"):
+        req.routing_key = marker.user_key
+    if marker.forged:
+        logger.warning(
+            "flying: request %s carried a routing key with Flying's prefix but not this "
+            "launch's secret; dropped it and dispatching in DP", getattr(req, "rid", "?")
+        )
+        return []
     issuer = getattr(controller, "_flying_issuer", None)
-    if issuer is None:
+    if issuer is None or not hasattr(req, "sampling_params"):
         return []
     from sglang.srt.managers.utils import is_health_check_generate_req
 
     if is_health_check_generate_req(req):
         return []
-    degree, _ = unmark(getattr(req, "routing_key", None))
-    if not degree and get_config().policy == "adaptive":
+    from flying.placement import dp_only_feature
+
+    feature = dp_only_feature(req)
+    degree, group = marker.degree, None
+    if degree and feature:  # the HTTP process refuses or demotes these; never bind one
+        logger.warning("flying: request %s marked TP-%d but %s runs in DP; dispatching in DP",
+                       req.rid, degree, feature)
+        return []
+    if degree and degree not in issuer.degrees:
+        logger.warning("flying: request %s marked TP-%d, not a degree of this node (%s); "
+                       "dispatching in DP", req.rid, degree, issuer.degrees)
+        return []
+    cfg = get_config()
+    if degree and marker.reason == "priority" and cfg.priority_max_paused >= 0:
+        group = _priority_group(controller, req, degree, cfg.priority_max_paused)
+        if group is None:
+            return []
+    elif not degree and not feature and cfg.policy == "adaptive":
         degree = _adaptive_degree(controller, req)
         if degree:  # tell the HTTP process, for meta_info["flying"]
-            placement_log.record(_store(controller), req.rid, degree)
-    return issuer.make_binds(req, degree) if degree else []
+            _record(controller, req.rid, degree)
+    return issuer.make_binds(req, degree, group) if degree else []
+
+
+def _priority_group(controller, req, degree: int, bound: int) -> Group | None:
+    """The least loaded group of ``degree`` if its members hold at most ``bound`` DP
+    requests; otherwise None (the request runs in DP; recorded for meta_info)."""
+    from flying.placement import loads_of
+    from scheduler.policy import least_loaded_group
+
+    loads = loads_of(controller.load_snapshot_reader.read_all())
+    ranks, paused = least_loaded_group(loads, degree, controller.server_args.dp_size)
+    if paused <= bound:
+        return Group(degree, ranks[0] // degree)
+    reason = (
+        f"priority: a TP-{degree} group would pause {paused} DP requests "
+        f"(--flying-priority-max-paused {bound}); ran in DP"
+    )
+    logger.info("flying: request %s: %s", req.rid, reason)
+    _record(controller, req.rid, 0, reason)
+    return None
+
+
+def _record(controller, rid: str, degree: int, reason: str = "") -> None:
+    placement_log.record(_store(controller), rid, degree, reason)
+    recorded = getattr(controller, "_flying_recorded", None)
+    if recorded is not None:
+        recorded.add(rid)
+
+
+def on_abort(controller, abort_req) -> None:
+    """An AbortReq passed the controller: delete the placement records of the requests
+    it names (their HTTP handlers may already have ended without reading them)."""
+    recorded = getattr(controller, "_flying_recorded", None)
+    if not recorded:
+        return
+    rid = getattr(abort_req, "rid", "") or ""
+    recorded.aborted(_store(controller), rid, bool(getattr(abort_req, "abort_all", False)))
 
 
 def _store(controller):
@@ -94,7 +173,7 @@ def _store(controller):
 
 def _adaptive_degree(controller, req) -> int:
     policy = _policy(controller)
-    if policy is None or not hasattr(req, "sampling_params"):
+    if policy is None:
         return 0
     from flying.placement import loads_of, request_of
 

@@ -144,13 +144,19 @@ def guard_cuda_groups(
     return replace(cfg, tp_degrees="none")
 
 
-def add_routes(num_engines: int) -> None:
-    """Flying's HTTP endpoints, on SGLang's own FastAPI app."""
+def add_routes(num_engines: int, enable_metrics: bool = False) -> None:
+    """Flying's HTTP endpoints, on SGLang's own FastAPI app: ``/flying/status``,
+    ``/metrics`` with Flying's series only under SGLang's ``--enable-metrics`` (as SGLang
+    serves its own), and the header check (a bad Flying header or routing-key header is
+    a plain 400 on every endpoint, streaming ones included)."""
     from fastapi.responses import JSONResponse
     from sglang.srt.entrypoints.http_server import app
 
     from flying import metrics, status
     from flying.comm_pool import hosted_store
+    from flying.request_tags import HeaderCheck
+
+    app.add_middleware(HeaderCheck)
 
     def read_status() -> dict:
         store = hosted_store()
@@ -166,7 +172,8 @@ def add_routes(num_engines: int) -> None:
         return JSONResponse(doc)
 
     app.add_api_route("/flying/status", flying_status, methods=["GET"])
-    metrics.mount(app, read_status)
+    if enable_metrics:
+        metrics.mount(app, read_status)
     from flying import faults
 
     if faults.enabled():  # test-only fault injection (FLYING_TEST_FAULTS=1)
@@ -235,6 +242,9 @@ def main(argv: list[str] | None = None) -> None:
     cfg = guard_cuda_groups(cfg, on_cpu)
     # Publish before SGLang starts any process, so every process sees the same config.
     flying_config.publish(cfg, replace=True)
+    from flying.messages import new_secret
+
+    new_secret()  # this launch's routing-key marker secret, inherited by every SGLang process
     from flying.comm_pool import STORE_ENV, host_store, set_hosted_store
 
     store, os.environ[STORE_ENV] = host_store()
@@ -254,7 +264,7 @@ def main(argv: list[str] | None = None) -> None:
     from sglang.srt.utils import kill_process_tree
 
     server_args = prepare_server_args(sglang_argv)
-    add_routes(server_args.dp_size)
+    add_routes(server_args.dp_size, bool(getattr(server_args, "enable_metrics", False)))
     print(_banner(server_args), flush=True)
     try:
         run_server(server_args)

@@ -2,6 +2,17 @@
 
 Used in the HTTP process (priority, long context, explicit degree: needs no load) and in
 the DP controller (the adaptive load decision: needs the engines' load snapshots).
+
+``max_new_tokens`` as SGLang 0.5.23 reads it: a ``/generate`` request that leaves it out
+gets ``SamplingParams``' default (128); an explicit ``null``, and every OpenAI chat
+request without ``max_tokens`` / ``max_completion_tokens``, carries ``None``, which SGLang
+treats as "no limit of its own": ``Scheduler.init_req_max_new_tokens`` makes it
+``1 << 30`` and clips it to ``max_req_len - prompt - 1`` (then to the KV pool). So None
+is kept as None here (``scheduler.policy.Request`` places it by its prompt alone), and
+``kv_tokens_needed`` gives the KV a grouped request may use.
+
+``dp_only_feature`` names the first request feature that does not run in a TP group;
+such a request is served in DP (or refused where a client forced a group).
 """
 
 from __future__ import annotations
@@ -36,22 +47,164 @@ def make_policy(num_engines: int, max_req_input_len: int, context_len: int = 0) 
     )
 
 
-def max_new_tokens(sampling_params) -> int:
+def max_new_tokens(sampling_params) -> int | None:
+    """The request's max_new_tokens: None when SGLang would run it without a limit of its
+    own, SGLang's default when the field is absent. A ValueError (HTTP 400) for a value
+    SGLang could not use (not an integer, negative)."""
+    if sampling_params is None:
+        return DEFAULT_MAX_NEW_TOKENS
     if isinstance(sampling_params, dict):
-        value = sampling_params.get("max_new_tokens")
+        if "max_new_tokens" not in sampling_params:
+            return DEFAULT_MAX_NEW_TOKENS
+        value = sampling_params["max_new_tokens"]
     else:
-        value = getattr(sampling_params, "max_new_tokens", None)
-    return int(value) if value is not None else DEFAULT_MAX_NEW_TOKENS
+        value = getattr(sampling_params, "max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        else:
+            raise ValueError(
+                f"invalid max_new_tokens {value!r}: expected a non-negative integer or null"
+            )
+    if value < 0:
+        raise ValueError(f"max_new_tokens must be at least 0, got {value}")
+    return value
 
 
-def request_of(prompt_len: int, sampling_params, priority, explicit_degree: int) -> Request:
+def resolved_max_new_tokens(prompt_len: int, max_new_tokens: int | None, limit: int) -> int:
+    """Output tokens a request may produce: ``max_new_tokens``, or for None SGLang's
+    bound ``limit - prompt - 1`` (``init_req_max_new_tokens``), never below 0."""
+    if max_new_tokens is None:
+        return max(0, int(limit) - int(prompt_len) - 1)
+    return max(0, int(max_new_tokens))
+
+
+def kv_tokens_needed(
+    prompt_len: int, max_new_tokens: int | None, limit: int, slack: int = ADMISSION_SLACK
+) -> int:
+    """KV tokens a grouped request may use: prompt + its output bound + admission slack.
+
+    ``limit`` is the longest request (prompt + output) SGLang admits on one engine in DP
+    mode (its ``max_req_len``): a request without max_new_tokens in a group may grow
+    exactly as far as it would in DP. A request whose prompt only a group holds never
+    arrives with None: the HTTP process gives it an explicit bound (the group's capacity
+    less the prompt, ``place``), so this never resolves a long prompt to 0 new tokens.
+    """
+    return int(prompt_len) + resolved_max_new_tokens(prompt_len, max_new_tokens, limit) + slack
+
+
+def request_of(
+    prompt_len: int, sampling_params, priority, explicit_degree: int, dp_only: str = ""
+) -> Request:
     return Request(
         prompt_len=prompt_len,
         max_new_tokens=max_new_tokens(sampling_params),
         priority=int(priority or 0),
         explicit_degree=explicit_degree,
+        dp_only=dp_only,
     )
 
 
 def loads_of(snapshots) -> list[EngineLoad]:
     return [EngineLoad(s.dp_rank, s.num_running_reqs, s.num_waiting_reqs) for s in snapshots]
+
+
+# -- request features that run in DP only ---------------------------------------------
+
+#: Constrained decoding: the grammar fields of SGLang's SamplingParams (OpenAI
+#: ``response_format`` and ``tool_choice`` become one of these). A group would need every
+#: member's grammar state and SGLang's grammar queue in lockstep; not built yet.
+CONSTRAINED_FIELDS = ("regex", "json_schema", "ebnf", "structural_tag")
+
+#: (request field, feature name): per-request options of SGLang 0.5.23's
+#: GenerateReqInput / TokenizedGenerateReqInput that a TP group does not run. Each is
+#: read with getattr, so the same list serves the HTTP process (GenerateReqInput) and the
+#: controller (TokenizedGenerateReqInput).
+DP_ONLY_FIELDS = (
+    ("custom_logit_processor", "custom_logit_processor"),
+    ("lora_path", "LoRA adapters (lora_path)"),
+    ("lora_id", "LoRA adapters (lora_path)"),
+    ("lora_name", "LoRA adapters (lora_path)"),
+    ("input_embeds", "input_embeds"),
+    ("positional_embed_overrides", "positional_embed_overrides"),
+    ("image_data", "multimodal input (image_data)"),
+    ("video_data", "multimodal input (video_data)"),
+    ("audio_data", "multimodal input (audio_data)"),
+    ("mm_inputs", "multimodal input"),
+    ("session_params", "sessions (session_params)"),
+    ("session_id", "sessions (session_id)"),
+    ("bootstrap_host", "PD disaggregation (bootstrap_host)"),
+    ("bootstrap_room", "PD disaggregation (bootstrap_room)"),
+    ("bootstrap_pair_key", "PD disaggregation (bootstrap_pair_key)"),
+    ("disagg_prefill_dp_rank", "PD disaggregation (disagg_prefill_dp_rank)"),
+    ("routed_dp_rank", "routed_dp_rank (the client chose an engine)"),
+    ("data_parallel_rank", "routed_dp_rank (the client chose an engine)"),
+    ("return_routed_experts", "return_routed_experts"),
+    ("return_indexer_topk", "return_indexer_topk"),
+    ("max_thinking_tokens", "max_thinking_tokens"),
+    ("multi_item_delimiter_indices", "multi-item scoring"),
+    ("token_indices_to_pool", "token_indices_to_pool"),
+    ("kv_hints", "kv_hints"),
+)
+
+#: Sampling options that run in DP only (besides constrained decoding).
+DP_ONLY_SAMPLING = (
+    ("beam_width", "beam search (beam_width)"),
+    ("watermark", "watermark"),
+)
+
+
+def _present(value) -> bool:
+    """A field counts when it holds something: not None, False or an empty container
+    (a list counts when any item does). 0 counts: ``routed_dp_rank=0`` names engine 0."""
+    if value is None or value is False:
+        return False
+    if isinstance(value, (list, tuple)):
+        return any(_present(v) for v in value)
+    if isinstance(value, (dict, str, bytes)):
+        return bool(value)
+    return True
+
+
+def _sampling_field(sampling_params, name):
+    if isinstance(sampling_params, dict):
+        return sampling_params.get(name)
+    return getattr(sampling_params, name, None)
+
+
+def dp_only_feature(req) -> str:
+    """The first feature of ``req`` (a GenerateReqInput or TokenizedGenerateReqInput)
+    that runs in DP only, or "". Never raises."""
+    try:
+        params = getattr(req, "sampling_params", None)
+        if isinstance(params, list):  # an un-split batch: any of its requests
+            found = [_sampling_feature(p) for p in params]
+            feature = next((f for f in found if f), "")
+        else:
+            feature = _sampling_feature(params)
+        if feature:
+            return feature
+        for name, feature in DP_ONLY_FIELDS:
+            if _present(getattr(req, name, None)):
+                return feature
+        return ""
+    except Exception:  # noqa: BLE001 - an odd request is DP, never an error here
+        return "an unrecognised request option"
+
+
+def _sampling_feature(params) -> str:
+    if params is None:
+        return ""
+    for name in CONSTRAINED_FIELDS:
+        if _present(_sampling_field(params, name)):
+            return f"constrained decoding ({name})"
+    for name, feature in DP_ONLY_SAMPLING:
+        value = _sampling_field(params, name)
+        if name == "beam_width":
+            if isinstance(value, int) and not isinstance(value, bool) and value > 1:
+                return feature
+        elif _present(value):
+            return feature
+    return ""

@@ -6,9 +6,12 @@ per-engine load, the node's TP degrees and per-engine KV capacity), the output i
 (``scheduler.replay``). Mechanism (binding, views, pools) lives in ``flying/``.
 
 Order of rules for one request:
-1. an explicit ``X-Flying-TP`` degree wins (operators' manual control);
+1. an explicit ``X-Flying-TP`` degree wins (operators' manual control), unless the
+   request uses a feature that runs in DP only (``Request.dp_only``): then a rejection
+   naming the feature;
 2. prompt + max_new_tokens beyond one engine's KV -> the smallest degree that fits, or a
-   rejection naming the limit and the largest degree (the only 400 for length);
+   rejection naming the limit and the largest degree (the only 400 for length); a
+   DP-only request that only a group holds is rejected naming the feature;
 3. priority at or above the threshold -> the largest degree (latency first);
    (rules 2-4 are off under the manual policy: only explicit headers bind groups);
 4. by policy: static-dp -> DP; static-tp -> the largest degree;
@@ -16,39 +19,72 @@ Order of rules for one request:
    hysteresis (enter TP below ``light_load``, leave above ``heavy_load`` requests per
    engine) so the mode does not flap; only a caller that passes the engines' loads
    gets a load-based answer (without them it is DP).
+A DP-only request never gets a group from rules 3 and 4: it runs in DP, and the
+decision's reason names the feature.
+
+``max_new_tokens=None`` is SGLang's "no limit": the request may generate until the
+length limit of wherever it runs (SGLang 0.5.23 clips it to ``max_req_len - prompt - 1``
+in ``Scheduler.init_req_max_new_tokens``). For placement it needs only room for its
+prompt and one new token, so it is never upgraded to a group for length on its own;
+it runs where its prompt fits and may grow to that place's limit.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 POLICIES = ("adaptive", "static-dp", "static-tp", "manual")
 PRIORITY_NAMES = {"low": -1, "normal": 0, "high": 1}
 
 
+#: SGLang's own bound on a request's priority (a signed 64-bit integer).
+PRIORITY_MIN, PRIORITY_MAX = -(1 << 63), (1 << 63) - 1
+_INTEGER = re.compile(r"[+-]?[0-9]{1,19}")
+
+
 def parse_priority(value: str | int | None) -> int:
-    """``high|normal|low|<int>`` -> int (higher is more urgent). Raises ValueError."""
+    """``high|normal|low|<int>`` -> int (higher is more urgent). Raises ValueError.
+
+    Integers are ASCII digits with an optional sign, within SGLang's signed 64-bit range;
+    booleans, floats and anything else are refused."""
     if value is None:
         return 0
+    if isinstance(value, bool):
+        raise ValueError(f"invalid priority {value!r}: expected high, normal, low or an integer")
     if isinstance(value, int):
-        return value
-    text = str(value).strip().lower()
-    if text in PRIORITY_NAMES:
-        return PRIORITY_NAMES[text]
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(
-            f"invalid priority {value!r}: expected high, normal, low or an integer"
-        ) from None
+        number = value
+    else:
+        text = str(value).strip().lower()
+        if text in PRIORITY_NAMES:
+            return PRIORITY_NAMES[text]
+        if not isinstance(value, str) or not _INTEGER.fullmatch(text):
+            raise ValueError(
+                f"invalid priority {value!r}: expected high, normal, low or an integer"
+            )
+        number = int(text)
+    if not PRIORITY_MIN <= number <= PRIORITY_MAX:
+        raise ValueError(f"invalid priority {value!r}: outside the signed 64-bit range")
+    return number
 
 
 @dataclass(frozen=True)
 class Request:
     prompt_len: int
-    max_new_tokens: int
+    #: None: no limit of its own (SGLang: up to the length limit where it runs)
+    max_new_tokens: int | None
     priority: int = 0
     explicit_degree: int = 0  # from X-Flying-TP; 0 = none
+    #: A feature of the request that runs in DP only (e.g. "constrained decoding
+    #: (regex)"); "" = none.
+    dp_only: str = ""
+
+    @property
+    def tokens(self) -> int:
+        """KV tokens placement must find room for: prompt + max_new_tokens, or prompt +
+        one new token when max_new_tokens is None (it then grows to the local limit)."""
+        new = 1 if self.max_new_tokens is None else max(0, self.max_new_tokens)
+        return self.prompt_len + new
 
 
 @dataclass(frozen=True)
@@ -135,20 +171,35 @@ class Policy:
 
     def decide(self, req: Request, loads: list[EngineLoad] | None = None) -> Decision:
         largest = max(self.node.degrees, default=1)
-        tokens = req.prompt_len + req.max_new_tokens
+        tokens = req.tokens
         need = self.fit_degree(tokens)
         if req.explicit_degree > 1:
+            if req.dp_only:
+                return Decision(
+                    "reject",
+                    reason=f"X-Flying-TP: {req.dp_only} does not run in a TP group; "
+                    "send the request without X-Flying-TP to run it in DP",
+                )
             if req.explicit_degree not in self.node.degrees:
                 return Decision("reject", reason=f"TP degree {req.explicit_degree} not allowed")
             if tokens > self.node.capacity(req.explicit_degree):
-                return Decision("reject", reason=self._too_long(tokens, largest))
+                return Decision("reject", reason=self._too_long(req, largest))
             return Decision("tp", req.explicit_degree, "explicit")
         if self.config.policy == "manual":  # only explicit headers bind groups
-            return Decision("dp", 1, "manual")
+            return Decision("dp", 1, _dp_only(req) or "manual")
         if need is None:
-            return Decision("reject", reason=self._too_long(tokens, largest))
+            return Decision("reject", reason=self._too_long(req, largest))
         if need > 1:
+            if req.dp_only:
+                return Decision(
+                    "reject",
+                    reason=f"{self._describe(req)} only fit in a TP-{need} group "
+                    f"({self.node.engine_capacity} fit one engine), and {req.dp_only} "
+                    "runs in DP only",
+                )
             return Decision("tp", need, "long context")
+        if req.dp_only:  # priority and policy groups: DP, and say why
+            return Decision("dp", 1, _dp_only(req))
         if largest > 1 and req.priority >= self.config.priority_threshold:
             return Decision("tp", largest, "priority")
         policy = self.config.policy
@@ -162,9 +213,37 @@ class Policy:
                 return Decision("tp", largest, "light load")
         return Decision("dp", 1, policy)
 
-    def _too_long(self, tokens: int, largest: int) -> str:
+    @staticmethod
+    def _describe(req: Request) -> str:
+        if req.max_new_tokens is None:
+            return f"prompt of {req.prompt_len} tokens + 1 new token = {req.tokens} tokens"
+        return f"prompt + max_new_tokens = {req.tokens} tokens"
+
+    def _too_long(self, req: Request, largest: int) -> str:
         return (
-            f"prompt + max_new_tokens = {tokens} tokens exceeds the node's KV capacity: "
+            f"{self._describe(req)} exceeds the node's KV capacity: "
             f"{self.node.capacity(largest)} tokens with the largest TP degree {largest} "
             f"({self.node.engine_capacity} for one engine)"
         )
+
+
+def _dp_only(req: Request) -> str:
+    """The reason a DP-only request runs in DP ("" if it has no such feature)."""
+    return f"{req.dp_only} runs in DP" if req.dp_only else ""
+
+
+def least_loaded_group(
+    loads: list[EngineLoad], degree: int, num_engines: int
+) -> tuple[tuple[int, ...], int]:
+    """The aligned group of ``degree`` whose members hold the fewest DP requests
+    (running + waiting) in ``loads``, and that count (first group on ties)."""
+    per_rank = {e.rank: e.requests for e in loads}
+    best: tuple[tuple[int, ...], int] | None = None
+    for start in range(0, num_engines - degree + 1, degree):
+        ranks = tuple(range(start, start + degree))
+        n = sum(per_rank.get(r, 0) for r in ranks)
+        if best is None or n < best[1]:
+            best = (ranks, n)
+    if best is None:
+        raise ValueError(f"no TP-{degree} group on {num_engines} engines")
+    return best

@@ -2,17 +2,26 @@
 
 - ``__init__`` (after): a ``BindIssuer`` for the node's TP degrees and the policy; the
   receive socket waits in ``zmq.poll`` when idle instead of spinning a core
-  (``flying.idle_wait``).
+  (``flying.idle_wait``); the request dispatcher also shows Flying each ``AbortReq``
+  (placement records of aborted requests are deleted).
 - ``dispatching_with_trace`` (around): a request marked for TP (explicit header,
   priority, long context: decided in the HTTP process), or one the adaptive policy
   places in TP from the engines' load snapshots, becomes one Bind per group member,
   sent in this process's single order; every other request is dispatched by SGLang.
+
+Containment: the controller is one process for the whole node, so nothing Flying does
+here may raise into SGLang's event loop. Any exception while deciding or sending is
+logged and the request is dispatched as plain DP by SGLang's original.
 """
 
 from __future__ import annotations
 
+import logging
+
 from flying import controller as flying_controller
 from flying.idle_wait import BlockingWhenIdle
+
+logger = logging.getLogger(__name__)
 
 
 def init(result, controller, *args, **kwargs):
@@ -20,13 +29,62 @@ def init(result, controller, *args, **kwargs):
     sock = getattr(controller, "recv_from_tokenizer", None)  # absent on node_rank > 0
     if sock is not None:
         controller.recv_from_tokenizer = BlockingWhenIdle(sock)
+    dispatcher = getattr(controller, "_request_dispatcher", None)
+    if dispatcher is not None:
+        controller._request_dispatcher = _SeesAborts(controller, dispatcher)
+
+
+class _SeesAborts:
+    """SGLang's TypeBasedDispatcher, with a look at each AbortReq first."""
+
+    def __init__(self, controller, dispatcher):
+        self.controller = controller
+        self.dispatcher = dispatcher
+
+    def __call__(self, obj):
+        from sglang.srt.managers.io_struct import AbortReq
+
+        if isinstance(obj, AbortReq):
+            try:
+                flying_controller.on_abort(self.controller, obj)
+            except Exception:  # noqa: BLE001 - containment
+                logger.exception("flying: abort bookkeeping failed; continuing")
+        return self.dispatcher(obj)
+
+    def __getattr__(self, name):  # add_fallback_fn and the like
+        return getattr(self.dispatcher, name)
 
 
 def dispatching_with_trace(original, controller, req, *args, **kwargs):
-    binds = flying_controller.binds_for(controller, req)
+    try:
+        binds = flying_controller.binds_for(controller, req)
+    except Exception:  # noqa: BLE001 - containment: decide DP, keep the controller up
+        logger.exception(
+            "flying: placing request %s failed; dispatching it in DP", getattr(req, "rid", "?")
+        )
+        flying_controller.strip_marker(req)
+        binds = []
     if not binds:
         return original(controller, req, *args, **kwargs)
+    if not _send(controller, binds):
+        return original(controller, req, *args, **kwargs)
+
+
+def _send(controller, binds) -> bool:
+    """Send every member its bind, the leader last: if any send fails before the leader
+    has its bind, no session can start (the others time out and abort) and the request is
+    dispatched in DP instead (False). Once the leader has it, the group owns it."""
     from sglang.srt.managers.io_struct import sock_send, wrap_as_pickle
 
-    for rank, bind in binds:
-        sock_send(controller.workers[rank], wrap_as_pickle(bind))
+    leader = binds[0][1].ranks[0]
+    ordered = [b for b in binds if b[0] != leader] + [b for b in binds if b[0] == leader]
+    for rank, bind in ordered:
+        try:
+            sock_send(controller.workers[rank], wrap_as_pickle(bind))
+        except Exception:  # noqa: BLE001 - containment
+            logger.exception(
+                "flying: sending bind %s to engine %d failed; dispatching request %s in DP",
+                bind.bind_id, rank, bind.req.rid,
+            )
+            return False
+    return True

@@ -1,22 +1,38 @@
 """Hooks on ``sglang.srt.managers.tokenizer_manager.TokenizerManager`` (HTTP process).
 
-- ``generate_request`` (around): read Flying's request headers (every endpoint —
-  /generate and the OpenAI ones — passes through here with its raw request).
+- ``generate_request`` (around): validate and apply Flying's request controls (every
+  endpoint — /generate and the OpenAI ones — passes through here with its raw request);
+  when the request's handler ends, however it ends, drop its placement state.
 - ``_validate_one_request`` (around): the policy's per-request placement (priority,
-  long context; too long for the node -> 400), and a TP-m request may use m engines' KV.
+  long context, DP-only features; too long for the node or a forced group the request
+  cannot run in -> 400), and a TP-m request may use m engines' KV.
 - ``_handle_batch_output`` (around): add ``meta_info["flying"]`` (where it ran).
 """
 
 from __future__ import annotations
 
+import logging
+
 from flying.metrics import count_finished
-from flying.request_tags import degree_of, place, placement, tag_request, where_it_ran
+from flying.request_tags import (
+    degree_of,
+    place,
+    placement,
+    request_ended,
+    tag_request,
+    where_it_ran,
+)
+
+logger = logging.getLogger(__name__)
 
 
 async def generate_request(original, manager, obj, request=None):
     tag_request(obj, getattr(request, "headers", None))
-    async for out in original(manager, obj, request):
-        yield out
+    try:
+        async for out in original(manager, obj, request):
+            yield out
+    finally:
+        request_ended(obj)
 
 
 def validate_one_request(original, manager, obj, input_ids):
@@ -39,10 +55,18 @@ async def handle_batch_output(original, manager, recv_obj):
     for state in states:
         if state is None or not state.out_list:
             continue
-        meta = state.out_list[-1].get("meta_info")
-        if isinstance(meta, dict) and "flying" not in meta:
-            info = placement(where_it_ran(state.obj, meta), meta.get("dp_rank"))
-            if info is not None:
-                meta["flying"] = info
-                if meta.get("finish_reason") is not None:
-                    count_finished(info["mode"], getattr(state.obj, "priority", None))
+        try:
+            _report(state)
+        except Exception:  # noqa: BLE001 - reporting must never lose an answer
+            logger.exception("flying: could not report where request %s ran", state.obj.rid)
+
+
+def _report(state) -> None:
+    meta = state.out_list[-1].get("meta_info")
+    if isinstance(meta, dict) and "flying" not in meta:
+        degree, reason = where_it_ran(state.obj, meta)
+        info = placement(degree, meta.get("dp_rank"), reason)
+        if info is not None:
+            meta["flying"] = info
+            if meta.get("finish_reason") is not None:
+                count_finished(info["mode"], getattr(state.obj, "priority", None))
