@@ -171,9 +171,18 @@ def _store(controller):
     return controller._flying_store
 
 
+def _groups_open(controller) -> bool:
+    """The start-up probe's gate (``flying.probe``): no adaptive group before it opens."""
+    if getattr(controller, "_flying_gate", None) is None:
+        from flying.probe import GateReader
+
+        controller._flying_gate = GateReader(_store(controller))
+    return controller._flying_gate.open()
+
+
 def _adaptive_degree(controller, req) -> int:
     policy = _policy(controller)
-    if policy is None:
+    if policy is None or not _groups_open(controller):
         return 0
     from flying.placement import loads_of, request_of
 

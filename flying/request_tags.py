@@ -26,6 +26,7 @@ import os
 import re
 from dataclasses import dataclass
 
+from flying import probe
 from flying.config import get_config
 from flying.messages import check_routing_key, mark, read_mark
 
@@ -171,6 +172,8 @@ def tag_request(obj, headers) -> None:
                 "X-Flying-TP: embedding and scoring requests do not run in a TP group; "
                 "send the request without X-Flying-TP"
             )
+        if not probe.groups_open() and not probe.is_probe(headers):
+            raise ValueError(f"X-Flying-TP: {probe.closed_reason()}")
         obj.routing_key = mark(key, controls.degree, "explicit")
 
 
@@ -213,6 +216,11 @@ def place(obj, input_ids, manager) -> None:
     decision = policy.decide(req, loads=None)
     if decision.mode == "reject":
         raise ValueError(decision.reason)
+    if decision.mode == "tp" and not explicit and not probe.groups_open():
+        if decision.reason == "long context":  # only a group holds it, and none may form
+            raise ValueError(f"{probe.closed_reason()}; this prompt needs a TP group")
+        setattr(obj, _NOTE, probe.closed_reason())
+        return
     if decision.mode == "tp":
         if (
             new is None

@@ -32,6 +32,15 @@ def cfg(monkeypatch):
 
 
 @pytest.fixture(autouse=True)
+def groups_open(monkeypatch):
+    """The start-up probe has passed (``flying.probe``'s gate), as on a ready server."""
+    from flying import controller, probe
+
+    monkeypatch.setitem(probe._STATE, "gate", probe.OPEN)
+    monkeypatch.setattr(controller, "_groups_open", lambda ctl: True)
+
+
+@pytest.fixture(autouse=True)
 def fresh_secret(monkeypatch):
     monkeypatch.setenv(messages.SECRET_ENV, "s3cret" * 4)
 
@@ -609,3 +618,17 @@ def test_replay_roundtrips_none_and_dp_only():
     reqs = [Request(10, None), Request(1500, None), Request(10, 5, priority=3, dp_only="x")]
     lines = [record(r, None, p.decide(r)) for r in reqs]
     assert replay(lines, PolicyConfig("static-dp"), NODE) == []
+
+
+def test_explicit_tp_waits_for_the_start_up_probe(cfg, monkeypatch):
+    from flying import probe
+
+    monkeypatch.setitem(probe._STATE, "gate", probe.PROBING)
+    with pytest.raises(ValueError, match="probe is running"):
+        request_tags.tag_request(_gen(), {"x-flying-tp": "2"})
+    obj = _gen()  # the probe's own request carries the per-launch secret
+    request_tags.tag_request(obj, {"x-flying-tp": "2", probe.PROBE_HEADER: probe.secret()})
+    assert messages.read_mark(obj.routing_key).degree == 2
+    monkeypatch.setitem(probe._STATE, "gate", "closed:the start-up probe failed: x")
+    with pytest.raises(ValueError, match="TP groups are off on this node"):
+        request_tags.tag_request(_gen(), {"x-flying-tp": "2"})
