@@ -309,12 +309,15 @@ class FlyingEngine:
                 self.aborts.due(containment.session_reqs(scheduler), exchange.MAX_ABORTS)
                 if is_leader else []
             )
-            shared = exchange.exchange(member, batch, offers, due, session.has_dp_work(self))
+            busy = bool(scheduler.waiting_queue) or not scheduler.running_batch.is_empty()
+            shared = exchange.exchange(
+                member, batch, offers, due, session.has_dp_work(self), busy
+            )
             if batch is None:
-                if not scheduler.waiting_queue and scheduler.running_batch.is_empty():
-                    if not shared.offers and not shared.aborts:
-                        return joined
-                    continue
+                if shared.done:
+                    return joined
+                if not shared.busy:
+                    continue  # offers or aborts to take at the next boundary
                 idle += 1
                 if idle >= MAX_IDLE_STEPS:
                     raise RuntimeError(f"flying: TP session made no progress: {_describe(scheduler)}")

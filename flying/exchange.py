@@ -34,6 +34,13 @@ class Shared:
     offers: list[int]  # bind keys the leader offers for admission at the next boundary
     aborts: list[int]  # rid keys the leader announces as aborted
     dp_waiting: int  # members with DP work waiting for this session to end
+    busy: int = 0  # members with session requests still waiting or running
+
+    @property
+    def done(self) -> bool:
+        """Every member has drained and nothing joins or leaves: the session ends, at
+        the same step on every member (a member never decides that on its own)."""
+        return not self.busy and not self.offers and not self.aborts
 
 
 def signature(batch) -> list[int]:
@@ -48,11 +55,17 @@ def _padded(values: list[int], width: int) -> list[int]:
     return [len(values), *values, *[0] * (width - len(values))]
 
 
-def exchange(member, batch, offers: list[int], aborts: list[int], dp_work: bool) -> Shared:
-    """One collective: check lockstep, learn the leader's offers and aborts."""
+_BUSY = 1 << 8  # the summed ``own`` carries two counts: DP work (low byte), busy (high)
+
+
+def exchange(
+    member, batch, offers: list[int], aborts: list[int], dp_work: bool, busy: bool
+) -> Shared:
+    """One collective: check lockstep, learn the leader's offers and aborts, and how many
+    members have DP work waiting or session work left."""
     mine = signature(batch)
     values = mine + _padded(offers[:MAX_OFFERS], MAX_OFFERS) + _padded(aborts[:MAX_ABORTS], MAX_ABORTS)
-    shared, waiting = member.share_ints(values, WIDTH, own=int(dp_work))
+    shared, own = member.share_ints(values, WIDTH, own=int(dp_work) + _BUSY * int(busy))
     if shared[:SIG] != mine:
         raise LockstepError(
             f"flying: TP group out of lockstep: leader batch {shared[:SIG]}, "
@@ -60,4 +73,7 @@ def exchange(member, batch, offers: list[int], aborts: list[int], dp_work: bool)
         )
     o = SIG
     a = o + 1 + MAX_OFFERS
-    return Shared(shared[o + 1 : o + 1 + shared[o]], shared[a + 1 : a + 1 + shared[a]], waiting)
+    return Shared(
+        shared[o + 1 : o + 1 + shared[o]], shared[a + 1 : a + 1 + shared[a]],
+        own % _BUSY, own // _BUSY,
+    )

@@ -101,7 +101,7 @@ class WaitPolicy:
     yield_s: float = 2e-3
     first_sleep_s: float = 20e-6
     max_sleep_s: float = 1e-3
-    timeout_s: float = 600.0
+    timeout_s: float = 120.0
 
     @classmethod
     def from_env(cls, **overrides: float) -> WaitPolicy:

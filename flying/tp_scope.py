@@ -5,8 +5,9 @@
 - model runner: KV pool -> TP view of the same memory, allocator -> the reserved
   sub-slots, attention backend -> an instance bound to the TP view;
 - scheduler: allocator and a disabled prefix cache for TP requests (they never enter
-  the DP radix tree: different index space, partial heads), its DP queues and running
-  batch (stashed, untouched: hard preemption keeps their KV), capacity limits;
+  the DP radix tree: different index space, partial heads), its DP queues (waiting and
+  grammar) and running batch (stashed, untouched: hard preemption keeps their KV),
+  capacity limits;
 - sampling: the sampler's token sync (SGLang's ``_sync_token_ids_across_tp``) shares the
   leader's token ids with every member, every step;
 - outputs: non-leaders send nothing to the client (the leader answers for the group).
@@ -238,7 +239,8 @@ def session_scope(
     capacity = int(reservation.tp_slots.numel())
     session = Session(
         scheduler, dp_allocator, allocator, [reservation], capacity,
-        dp_running=scheduler.running_batch, dp_waiting=scheduler.waiting_queue,
+        dp_running=scheduler.running_batch,
+        dp_waiting=[*scheduler.waiting_queue, *scheduler.grammar_manager.grammar_queue],
         size_holders=_pool_size_holders(scheduler),
     )
     streamer = scheduler.output_streamer
@@ -253,6 +255,9 @@ def session_scope(
         (scheduler, "running_batch", ScheduleBatch(reqs=[], batch_is_full=False)),
         (scheduler, "last_batch", None),
         (scheduler, "chunked_req", None),
+        # DP requests waiting for their grammar: SGLang moves them into the waiting
+        # queue when ready, which mid-session would put them into one member's batch.
+        (scheduler.grammar_manager, "grammar_queue", []),
         *[(h, "max_total_num_tokens", capacity) for h in session.size_holders],
         (scheduler, "max_req_len", capacity - 1),
         (scheduler, "max_req_input_len", capacity - 1),

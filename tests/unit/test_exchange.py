@@ -1,0 +1,55 @@
+"""The per-step exchange: layout, lockstep check and the agreed end of a session."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from flying import exchange
+
+pytestmark = pytest.mark.unit
+
+
+class _Leader:
+    """A one-member stand-in for ``Member.share_ints``: the leader's values, summed own."""
+
+    tp_rank = 0
+
+    def __init__(self, others_own: int = 0, leader_values: list[int] | None = None):
+        self.others_own = others_own
+        self.leader_values = leader_values
+
+    def share_ints(self, values, n, own=0):
+        assert len(values) == n == exchange.WIDTH
+        return list(self.leader_values or values), own + self.others_own
+
+
+def _batch(lens, mode=2, last=(7,)):
+    reqs = [SimpleNamespace(origin_input_ids=[1] * n, output_ids=list(last)) for n in lens]
+    return SimpleNamespace(reqs=reqs, forward_mode=SimpleNamespace(value=mode))
+
+
+def test_offers_aborts_and_counts_round_trip():
+    got = exchange.exchange(_Leader(others_own=256 + 1), _batch([3, 4]), [11, 12], [99], True, False)
+    assert got.offers == [11, 12] and got.aborts == [99]
+    assert got.dp_waiting == 2 and got.busy == 1 and not got.done
+
+
+def test_session_ends_only_when_no_member_is_busy():
+    idle = exchange.exchange(_Leader(), None, [], [], False, False)
+    assert idle.done
+    peer_busy = exchange.exchange(_Leader(others_own=256), None, [], [], False, False)
+    assert not peer_busy.done  # a peer still has work: nobody leaves alone
+
+
+def test_a_different_batch_or_token_is_a_lockstep_error():
+    leader = exchange.signature(_batch([3, 4]))
+    values = leader + [0] * (exchange.WIDTH - exchange.SIG)
+    member = _Leader(leader_values=values)
+    member.tp_rank = 1
+    exchange.exchange(member, _batch([3, 4]), [], [], False, True)
+    with pytest.raises(exchange.LockstepError):
+        exchange.exchange(member, _batch([3]), [], [], False, True)
+    with pytest.raises(exchange.LockstepError):  # same lengths, another token
+        exchange.exchange(member, _batch([3, 4], last=(8,)), [], [], False, True)
