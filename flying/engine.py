@@ -50,8 +50,8 @@ MAX_IDLE_STEPS = 50
 MAX_ADMIT_S = 0.5
 #: Soft preemption: how long a drained member waits for the others per step boundary.
 DRAIN_POLL_S = 0.2
-#: How often a running session refreshes the engine's published status.
-STATUS_EVERY_S = 0.25
+#: How often a busy engine (DP or in a session) refreshes its published status.
+STATUS_EVERY_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -114,6 +114,7 @@ class FlyingEngine:
         self.aborts = AbortBook()
         self.faults = FaultSwitch(pool.store if pool else None, dp_rank)
         self._status_at = 0.0
+        self._published_busy = False
 
     def on_input(self, req) -> bool:
         """Take Flying's part of one input message; True if SGLang must not see it."""
@@ -165,10 +166,20 @@ class FlyingEngine:
             if not self.on_input(req):
                 self.deferred.append(req)
 
-    def publish(self, scheduler, force: bool = False) -> None:
+    def publish(self, scheduler, force: bool = False, plan=None) -> None:
+        """Refresh the engine's status in the store: on events (``force``), at most every
+        ``STATUS_EVERY_S`` while busy, and at once when the engine falls idle, so that
+        /flying/status is current when read (an idle engine does not step)."""
+        if self.pool is None:
+            return
         now = time.monotonic()
-        if self.pool is not None and (force or now - self._status_at >= STATUS_EVERY_S):
+        running = plan.running_batch if plan is not None else scheduler.running_batch
+        batch = plan.batch_to_run if plan is not None else None
+        busy = bool(scheduler.waiting_queue) or batch is not None or not running.is_empty()
+        went_idle = self._published_busy and not busy
+        if force or went_idle or now - self._status_at >= STATUS_EVERY_S:
             self._status_at = now
+            self._published_busy = busy
             status.publish(self.pool.store, self.dp_rank, self, scheduler)
 
     # -- one session ----------------------------------------------------------------
