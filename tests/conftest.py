@@ -50,7 +50,7 @@ def dp2_server(demo_model_dir: Path, tmp_path_factory) -> Iterator[Server]:
     """The shared server of the integration tier (hard preemption, the default), with
     the test-only fault switch mounted (it does nothing until a test arms a fault)."""
     yield from demo_server(
-        demo_model_dir, tmp_path_factory.mktemp("dp2") / "server.log",
+        demo_model_dir, tmp_path_factory.mktemp("dp2") / "server.log", "--enable-metrics",
         env={"FLYING_TEST_FAULTS": "1"},
     )
 
