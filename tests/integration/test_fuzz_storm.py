@@ -136,11 +136,16 @@ def _openai(url, rng, kind) -> Outcome:
             reasons = {c.get("finish_reason") for c in choices}
             if not reasons <= {"stop", "length"}:
                 return Outcome(kind, 200, f"finish {reasons}")
-            if kind == "json_chat":
-                try:
-                    json.loads(choices[0]["message"]["content"])
-                except ValueError:
-                    return Outcome(kind, 200, f"not JSON: {choices[0]['message']['content']!r}")
+            if kind == "json_chat":  # a random model may spend all its tokens on blanks
+                content = choices[0]["message"]["content"]
+                used = out["usage"]["completion_tokens"]
+                if choices[0]["finish_reason"] == "length" and used != body["max_tokens"]:
+                    return Outcome(kind, 200, f"length finish after {used} tokens")
+                if choices[0]["finish_reason"] == "stop":
+                    try:
+                        json.loads(content)
+                    except ValueError:
+                        return Outcome(kind, 200, f"stopped, but not JSON: {content!r}")
             if kind == "completion_n2" and len(choices) != 2:
                 return Outcome(kind, 200, f"{len(choices)} choices")
             return Outcome(kind, 200)
