@@ -29,7 +29,7 @@ from collections import deque
 from flying import kv_adaptor
 from flying.exchange import MAX_OFFERS
 from flying.messages import Bind
-from flying.placement import ADMISSION_SLACK
+from flying.placement import kv_tokens_needed, resolved_max_new_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -44,10 +44,11 @@ def tokens_needed(bind: Bind, dp_limit: int) -> int:
 
     Without max_new_tokens (an OpenAI chat request without max_tokens) SGLang lets a
     request grow to the engine's max_req_len; the request gets that bound explicitly
-    and the group reserves it, so it may produce exactly what it would in DP.
+    (``resolve_max_new_tokens``) and the group reserves it, so it may produce exactly
+    what it would in DP.
     """
-    prompt = len(bind.req.input_ids or ())
-    return prompt + resolve_max_new_tokens(bind.req, dp_limit) + ADMISSION_SLACK
+    resolve_max_new_tokens(bind.req, dp_limit)
+    return kv_tokens_needed(len(bind.req.input_ids or ()), bind.req.sampling_params.max_new_tokens, dp_limit)
 
 
 def resolve_max_new_tokens(req, dp_limit: int) -> int:
@@ -56,8 +57,8 @@ def resolve_max_new_tokens(req, dp_limit: int) -> int:
     own max_req_len is its pooled capacity. Returns the bound."""
     params = req.sampling_params
     if params.max_new_tokens is None:
-        params.max_new_tokens = max(0, dp_limit - len(req.input_ids or ()) - 1)
-    return max(0, int(params.max_new_tokens))
+        params.max_new_tokens = resolved_max_new_tokens(len(req.input_ids or ()), None, dp_limit)
+    return int(params.max_new_tokens)
 
 
 def bind_key(bind: Bind) -> int:
