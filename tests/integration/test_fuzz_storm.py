@@ -208,6 +208,21 @@ def _one(url: str, kind: str, seed: float) -> Outcome:
         return Outcome(kind, -1, f"{type(exc).__name__}: {exc}")
 
 
+#: Logit difference under which two tokens are a float32 tie (a batch's shape may flip
+#: the argmax between them); a real divergence is orders of magnitude larger.
+TIE = 1e-4
+
+
+def _logit_gap(model_dir, prefix: list[int], want: int, got: int) -> float:
+    import torch
+
+    from tests.reference import _model
+
+    with torch.no_grad():
+        logits = _model(str(model_dir))(input_ids=torch.tensor([prefix])).logits[0, -1]
+    return float(logits[want] - logits[got])
+
+
 def _status(url) -> dict:
     return requests.get(url + "/flying/status", timeout=30).json()
 
@@ -241,7 +256,11 @@ def test_fuzz_storm(adaptive_server, demo_model_dir):
     for o in outcomes:
         if o.greedy is not None:
             ids, n, got = o.greedy
-            assert got == greedy_tokens(demo_model_dir, ids, n), (o.kind, o.extra)
+            want = greedy_tokens(demo_model_dir, ids, n)
+            first = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)
+            if first is not None:  # allowed only where the reference itself is a tie
+                gap = _logit_gap(demo_model_dir, ids + want[:first], want[first], got[first])
+                assert gap < TIE, (o.kind, o.extra, len(ids), n, first, gap, got, want)
     doc = _settle(url, start["store_keys"])
     modes = {}
     for o in outcomes:
