@@ -15,6 +15,20 @@ rank r computes with *views* of those tensors; nothing is copied or reloaded:
 The mode switch is per module *instance* (an instance attribute ``forward`` shadows the
 class's), entered and left by ``tp_layers()``, a context manager that always restores in
 ``finally``. DP mode is therefore the untouched SGLang code path, with zero overhead.
+
+The installed forwards keep SGLang's call contract for those layers, so every family's
+model code calls them unchanged: column-parallel ``forward(input_)`` and row-parallel
+``forward(input_, skip_all_reduce=False, forward_batch=None, output_tensor=None)``
+(Qwen2/Qwen3's MLP passes ``forward_batch=`` to ``down_proj``), both returning
+``(output, None)``. Families covered (tests/integration/test_model_families.py): Llama,
+Mistral (SGLang's ``MistralForCausalLM`` *is* its ``LlamaForCausalLM``), Qwen2 (QKV
+bias), Qwen3 (per-head q/k RMSNorm, applied by the attention forward to whatever heads
+the QKV output holds, so the rank's heads are normalised exactly as in DP).
+
+What the views refuse (``UnsupportedModel`` when the table is built, never mid-forward):
+quantized or non-float weights, heads not divisible by the degree, biases returned to the
+caller (``skip_bias_add``), gathered column outputs, MLP biases, and q/k norms whose
+weight spans more than one head (those need statistics over all heads: a reduction).
 """
 
 from __future__ import annotations
@@ -70,19 +84,49 @@ def _is_mlp(m: nn.Module) -> bool:
 
 
 def _weight(linear: nn.Module) -> torch.Tensor:
+    """The layer's plain float [out, in] weight, after checking that the views' forward
+    computes what SGLang's would (same bias handling, no quantization, no gather)."""
     w = getattr(linear, "weight", None)
-    if not isinstance(w, torch.Tensor) or w.dim() != 2:
+    method = type(getattr(linear, "quant_method", None)).__name__
+    if (
+        not isinstance(w, torch.Tensor)
+        or w.dim() != 2
+        or not w.is_floating_point()
+        or method not in ("UnquantizedLinearMethod", "NoneType")
+    ):
         raise UnsupportedModel(
-            f"{type(linear).__name__} has no plain 2-D weight (quantized layers are not "
-            "supported by TP views yet)"
+            f"{type(linear).__name__} has no plain 2-D float weight ({method}): quantized "
+            "layers are not supported by TP views yet"
         )
+    if getattr(linear, "skip_bias_add", False) or getattr(linear, "gather_output", False):
+        raise UnsupportedModel(f"{type(linear).__name__}: skip_bias_add / gather_output")
+    if getattr(linear, "input_is_parallel", True) is False:
+        raise UnsupportedModel(f"{type(linear).__name__}: input_is_parallel=False")
     return w
+
+
+def _check_qk_norms(attn: nn.Module) -> None:
+    """Per-head q/k norms (Qwen3: weight [head_dim]) act on each head alone, so a rank
+    that holds a subset of the heads normalises them exactly as DP does. A norm over all
+    heads (weight [H*d]) would need the other ranks' heads: refused."""
+    head_dim = getattr(attn, "head_dim", None)
+    for name in ("q_norm", "k_norm"):
+        w = getattr(getattr(attn, name, None), "weight", None)
+        if isinstance(w, torch.Tensor) and w.numel() != head_dim:
+            raise UnsupportedModel(
+                f"{type(attn).__name__}.{name} spans {w.numel()} features, not one head "
+                f"({head_dim}): it needs a reduction over the group"
+            )
 
 
 def attention_shard(attn: nn.Module, m: int, r: int) -> AttentionShard:
     q, kv = attn.q_size, attn.kv_size  # full sizes: engines run at tp_size=1
-    if q % m or kv % m or attn.num_kv_heads % m:
-        raise UnsupportedModel(f"heads not divisible by TP degree {m}")
+    if attn.num_heads % m or attn.num_kv_heads % m:
+        raise UnsupportedModel(
+            f"{attn.num_heads} query / {attn.num_kv_heads} KV heads not divisible by TP "
+            f"degree {m}"
+        )
+    _check_qk_norms(attn)
     qkv_w, o_w = _weight(attn.qkv_proj), _weight(attn.o_proj)
     qkv_b = getattr(attn.qkv_proj, "bias", None)
     o_b = getattr(attn.o_proj, "bias", None)
@@ -159,23 +203,69 @@ def shares_storage(view: torch.Tensor, full: torch.Tensor) -> bool:
 # -- TP-mode forwards (bound per instance) ----------------------------------------
 
 
-def _qkv_forward(s: AttentionShard, x: torch.Tensor):
-    out = torch.cat(
-        [F.linear(x, s.q_w, s.q_b), F.linear(x, s.k_w, s.k_b), F.linear(x, s.v_w, s.v_b)],
-        dim=-1,
-    )
-    return out, None
+class _QkvView:
+    """``qkv_proj.forward`` in TP mode; SGLang's column-parallel contract
+    ``forward(input_) -> (output, None)``.
+
+    ``input_``: [T, hidden] -> output [T, (Hq + 2*Hkv) * d / m], this rank's q, k and v
+    heads side by side, which is the layout the attention forward splits with the
+    divided ``q_size`` / ``kv_size``. QKV bias rows (Qwen2, attention_bias) are the
+    rank's own, added by every rank (column layers own their output rows).
+    """
+
+    def __init__(self, shard: AttentionShard) -> None:
+        self.s = shard
+
+    def __call__(self, input_: torch.Tensor) -> tuple[torch.Tensor, None]:
+        s = self.s
+        parts = [F.linear(input_, s.q_w, s.q_b), F.linear(input_, s.k_w, s.k_b),
+                 F.linear(input_, s.v_w, s.v_b)]
+        return torch.cat(parts, dim=-1), None
 
 
-def _row_forward(w: torch.Tensor, b: torch.Tensor | None, reduce: AllReduce, x: torch.Tensor):
-    out = F.linear(x, w)
-    if b is not None:
-        out = out + b
-    return reduce(out), None
+class _GateUpView:
+    """``gate_up_proj.forward`` in TP mode: [T, hidden] -> [T, 2*I/m] (gate rows, then
+    up rows, as ``SiluAndMul`` expects); returns ``(output, None)``."""
+
+    def __init__(self, shard: MlpShard) -> None:
+        self.s = shard
+
+    def __call__(self, input_: torch.Tensor) -> tuple[torch.Tensor, None]:
+        s = self.s
+        return torch.cat([F.linear(input_, s.gate_w), F.linear(input_, s.up_w)], dim=-1), None
 
 
-def _gate_up_forward(s: MlpShard, x: torch.Tensor):
-    return torch.cat([F.linear(x, s.gate_w), F.linear(x, s.up_w)], dim=-1), None
+class _RowView:
+    """``o_proj`` / ``down_proj.forward`` in TP mode, with SGLang's row-parallel
+    signature ``forward(input_, skip_all_reduce=False, forward_batch=None,
+    output_tensor=None) -> (output, None)``.
+
+    ``input_``: [T, K/m], the rank's columns -> [T, hidden], summed over the group.
+    ``skip_all_reduce`` is accepted and ignored: a caller sets it when SGLang's own TP
+    group will reduce later, but that group has size 1 here (engines run tp_size=1), so
+    the group's sum must happen in this layer or nowhere. ``forward_batch`` only selects
+    SGLang's quantized communication, which the views never use. ``output_tensor``, if
+    given, receives the result and is returned (SGLang's caller-owned output).
+    """
+
+    def __init__(self, w: torch.Tensor, b: torch.Tensor | None, reduce: AllReduce) -> None:
+        self.w, self.b, self.reduce = w, b, reduce
+
+    def __call__(
+        self,
+        input_: torch.Tensor,
+        skip_all_reduce: bool = False,
+        forward_batch: object = None,
+        output_tensor: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, None]:
+        out = F.linear(input_, self.w)
+        if self.b is not None:  # rank 0 only: the sum adds it once
+            out = out + self.b
+        out = self.reduce(out)
+        if output_tensor is not None:
+            output_tensor.copy_(out)
+            out = output_tensor
+        return out, None
 
 
 @contextlib.contextmanager
@@ -195,18 +285,23 @@ def tp_layers(table: ShardTable, reduce: AllReduce) -> Iterator[None]:
     try:
         for s in table.attention:
             a = s.module
-            put(a.qkv_proj, "forward", lambda x, s=s: _qkv_forward(s, x))
-            put(a.o_proj, "forward", lambda x, s=s: _row_forward(s.o_w, s.o_b, reduce, x))
+            put(a.qkv_proj, "forward", _QkvView(s))
+            put(a.o_proj, "forward", _RowView(s.o_w, s.o_b, reduce))
             for name in ("num_heads", "num_kv_heads", "q_size", "kv_size"):
                 put(a, name, getattr(a, name) // m)
             for name in ("tp_q_head_num", "tp_k_head_num", "tp_v_head_num"):
                 put(a.attn, name, getattr(a.attn, name) // m)
         for p in table.mlp:
             mod = p.module
-            put(mod.gate_up_proj, "forward", lambda x, p=p: _gate_up_forward(p, x))
-            put(mod.down_proj, "forward", lambda x, p=p: _row_forward(p.down_w, None, reduce, x))
-            if getattr(mod, "dual_gemm", None) is not None:  # reads the full gate_up weight
+            put(mod.gate_up_proj, "forward", _GateUpView(p))
+            put(mod.down_proj, "forward", _RowView(p.down_w, None, reduce))
+            # Both bypass gate_up_proj / down_proj's forward with the full weights: the
+            # fused dual GEMM (mode None = off) and the FP8 decode activation (which
+            # would hand down_proj a quantized tuple; off unless the layer is FP8).
+            if getattr(mod, "dual_gemm", None) is not None:
                 put(mod.dual_gemm, "mode", None)
+            if getattr(mod, "activation_quant", None) is not None:
+                put(mod.activation_quant, "enabled", False)
         yield
     finally:
         for obj, name, old, had in reversed(saved):

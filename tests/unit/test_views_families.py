@@ -1,0 +1,184 @@
+"""TP views on SGLang's own model classes, per family, without a server.
+
+A child process (SGLang's globals and a one-rank gloo world stay out of the test
+process) loads each test checkpoint (``tests.models``) with SGLang's model loader at
+tp_size=1, as an engine does, and checks per layer, for TP degrees 2 and 4, that the
+ranks' outputs recompose the DP outputs of SGLang's own module code:
+
+- attention prepare (QKV projection, split by the divided sizes, Qwen3's per-head q/k
+  norm, rotary embedding): the ranks' q, k, v concatenated == DP's;
+- ``o_proj``: the ranks' partial outputs summed == DP's (bias once: rank 0);
+- the MLP module's own forward, called as the decoder layer calls it
+  (``mlp(x, forward_batch=...)``; Qwen2/Qwen3 pass ``forward_batch=`` on to
+  ``down_proj``): the ranks' outputs summed == DP's.
+
+The reduction is the identity inside the views and the sum is taken here, so one
+process plays every rank. ~20 s, nearly all of it importing SGLang.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.models import FAMILIES, ensure_model
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[2]
+DEGREES = (2, 4)
+#: SGLang's class for each family (Mistral: SGLang's Llama classes, subclassed).
+EXPECTED = {
+    "llama": ("LlamaForCausalLM", "LlamaAttention", "LlamaMLP"),
+    "qwen2": ("Qwen2ForCausalLM", "Qwen2Attention", "Qwen2MLP"),
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3Attention", "Qwen2MLP"),
+    "mistral": ("MistralForCausalLM", "LlamaAttention", "LlamaMLP"),
+    "llama-tied": ("LlamaForCausalLM", "LlamaAttention", "LlamaMLP"),
+}
+
+
+@pytest.fixture(scope="module")
+def report() -> dict:
+    paths = {name: str(ensure_model(name)) for name in FAMILIES}
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.unit.test_views_families", json.dumps(paths)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(lines[-1])
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_views_recompose_sglang_layers(report, family):
+    got = report[family]
+    assert "error" not in got, got.get("error")
+    assert tuple(got["classes"]) == EXPECTED[family]
+    if family == "mistral":
+        assert "LlamaForCausalLM" in got["bases"]
+    for degree in DEGREES:
+        diffs = got["max_abs_diff"][str(degree)]
+        assert set(diffs) == {"q", "k", "v", "o_proj", "mlp"}, diffs
+        assert max(diffs.values()) < 1e-4, (degree, diffs)
+    assert got["views_share_storage"]
+    assert got["restored"]
+
+
+# -- the child process ---------------------------------------------------------------
+
+
+def _publish(model_path: str):
+    """Publish SGLang's config for one tp_size=1 engine on CPU (once per family)."""
+    from sglang.srt.runtime_context import SpawnRanks, publish
+    from sglang.srt.server_args import ServerArgs
+
+    args = ServerArgs(
+        model_path=model_path, device="cpu", dtype="float32",
+        attention_backend="torch_native",
+    )
+    publish(args, role="scheduler", ranks=SpawnRanks(world_rank=0, dp_rank=0, gpu_id=0))
+    return args
+
+
+def _load(model_path: str):
+    from sglang.srt.configs.device_config import DeviceConfig
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.model_loader import get_model
+
+    args = _publish(model_path)
+    return get_model(
+        model_config=ModelConfig.from_server_args(args),
+        load_config=LoadConfig(load_format="auto"), device_config=DeviceConfig("cpu", 0),
+    )
+
+
+def _prepare(attn, positions, x):
+    """(q, k, v) as the family's attention forward computes them before attending."""
+    prepare = getattr(attn, "forward_prepare_native", None)
+    if prepare is not None:  # Llama/Mistral, Qwen3 (q/k norm inside)
+        return prepare(positions=positions, hidden_states=x)
+    qkv, _ = attn.qkv_proj(x)  # Qwen2: the same steps inline in its forward
+    q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+    q, k = attn.rotary_emb(positions, q, k)
+    return q, k, v
+
+
+def _check_family(model_path: str) -> dict:
+    import torch
+
+    from flying.weight_views import build_shards, shares_storage, tp_layers
+
+    model = _load(model_path)
+    layer = model.model.layers[1]
+    attn, mlp = layer.self_attn, layer.mlp
+    gen = torch.Generator().manual_seed(0)
+    tokens = 7
+    x = torch.randn(tokens, attn.hidden_size, generator=gen)
+    positions = torch.arange(3, 3 + tokens)
+    attn_out = torch.randn(tokens, attn.q_size, generator=gen)
+    fb = None  # the kwarg itself is what matters: SGLang passes it, possibly None
+    with torch.no_grad():
+        full = dict(zip("qkv", _prepare(attn, positions, x), strict=True))
+        full["o_proj"] = attn.o_proj(attn_out)[0]
+        full["mlp"] = mlp(x, forward_batch=fb)
+        before = (attn.q_size, attn.num_heads, attn.attn.tp_k_head_num)
+        diffs, shared = {}, True
+        for m in DEGREES:
+            parts = {"q": [], "k": [], "v": []}
+            sums = {"o_proj": 0, "mlp": 0}
+            for r in range(m):
+                table = build_shards(model, m, r)
+                shared = shared and all(shares_storage(v, f) for v, f in table.tensors())
+                with tp_layers(table, reduce=lambda t: t):
+                    for key, t in zip("qkv", _prepare(attn, positions, x), strict=True):
+                        parts[key].append(t)
+                    cols = attn_out.chunk(m, dim=-1)[r]
+                    sums["o_proj"] = sums["o_proj"] + attn.o_proj(cols)[0]
+                    sums["mlp"] = sums["mlp"] + mlp(x, forward_batch=fb)
+            got = {k: torch.cat(v, dim=-1) for k, v in parts.items()} | sums
+            diffs[str(m)] = {k: float((got[k] - full[k]).abs().max()) for k in full}
+    return {
+        "classes": [type(model).__name__, type(attn).__name__, type(mlp).__name__],
+        "bases": [c.__name__ for c in type(model).__mro__],
+        "max_abs_diff": diffs,
+        "views_share_storage": shared,
+        "restored": before == (attn.q_size, attn.num_heads, attn.attn.tp_k_head_num)
+        and "forward" not in vars(attn.qkv_proj) and "forward" not in vars(mlp.down_proj),
+    }
+
+
+def main(paths: dict[str, str]) -> None:
+    import traceback
+
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()  # Flying's CPU platform and hooks, as in an engine
+    from sglang.srt.distributed.bootstrap import _init_parallel_groups
+
+    first = next(iter(paths.values()))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    _init_parallel_groups(
+        backend="gloo", dist_init_method=f"tcp://127.0.0.1:{port}",
+        server_args=_publish(first), gpu_id=0,
+    )
+    out = {}
+    for name, path in paths.items():
+        try:
+            out[name] = _check_family(path)
+        except Exception:  # noqa: BLE001 - reported per family to the test
+            out[name] = {"error": traceback.format_exc()[-3000:]}
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))
