@@ -10,7 +10,7 @@ def _model(path: str):
     import torch
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
 def greedy_tokens(model_path: str, input_ids: list[int], max_new_tokens: int) -> list[int]:
