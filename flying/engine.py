@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from flying import aborts, admission, containment, exchange, status
+from flying import aborts, admission, containment, exchange, status, tp_scope
 from flying.aborts import AbortBook
 from flying.comm_pool import CommPool
 from flying.faults import FaultSwitch
@@ -191,7 +191,7 @@ class FlyingEngine:
             self.faults.check("bind")
             if self.aborts.hits(bind.req.rid):
                 return None, "request aborted by the client"
-            reservation = tp_scope_reserve(
+            reservation = tp_scope.reserve_for(
                 scheduler, admission.tokens_needed(bind, self.dp_limit), bind.degree
             )
         except Exception as exc:  # noqa: BLE001 - any failure is this member's "no"
@@ -200,8 +200,6 @@ class FlyingEngine:
         return reservation, "" if reservation is not None else "member lacks KV capacity"
 
     def _run(self, scheduler, bind: Bind, next_batch) -> None:
-        from flying import tp_scope
-
         t0 = time.perf_counter()
         degree = bind.degree
         is_leader = self.dp_rank == bind.ranks[0]
@@ -337,12 +335,6 @@ class FlyingEngine:
             result = scheduler.run_batch(batch)
             scheduler.process_batch_result(batch, result)
         raise RuntimeError("flying: TP session did not finish")
-
-
-def tp_scope_reserve(scheduler, tokens: int, degree: int):
-    from flying import tp_scope
-
-    return tp_scope.reserve_for(scheduler, tokens, degree)
 
 
 def drain_keys(bind: Bind) -> list[str]:
