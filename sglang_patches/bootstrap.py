@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import logging
 
-from flying import cpu_threads
-from flying.config import get_config
-from sglang_patches.platform import wants_cpu_platform
+from flying.node.config import get_config, wants_cpu_platform
+from flying.substrate import cpu_threads
 
 logger = logging.getLogger(__name__)
 

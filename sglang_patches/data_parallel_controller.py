@@ -2,7 +2,7 @@
 
 - ``__init__`` (after): a ``BindIssuer`` for the node's TP degrees and the policy; the
   receive socket waits in ``zmq.poll`` when idle instead of spinning a core
-  (``flying.idle_wait``); the request dispatcher also shows Flying each ``AbortReq``
+  (``flying.node.idle_wait``); the request dispatcher also shows Flying each ``AbortReq``
   (placement records of aborted requests are deleted).
 - ``dispatching_with_trace`` (around): a request marked for TP (explicit header,
   priority, long context: decided in the HTTP process), or one the adaptive policy
@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import logging
 
-from flying import controller as flying_controller
-from flying.idle_wait import BlockingWhenIdle
+from flying.node import controller as flying_controller
+from flying.node.idle_wait import BlockingWhenIdle
 
 logger = logging.getLogger(__name__)
 

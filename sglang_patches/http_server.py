@@ -1,7 +1,7 @@
 """Hook on ``sglang.srt.entrypoints.http_server`` (HTTP process).
 
 - ``_wait_and_warmup`` (around): after SGLang's own warm-up (in DP), run Flying's
-  start-up probe (``flying.probe``): one group forward per TP degree compared with DP;
+  start-up probe (``flying.node.probe``): one group forward per TP degree compared with DP;
   TP groups open only if all match. /health answers 503 until the probe has decided, so
   a client that waits for health never sees the gate still closed for probing. The
   hook wraps the warm-up function SGLang hands in (its default argument is bound at
@@ -10,9 +10,9 @@
 
 from __future__ import annotations
 
-from flying import probe
-from flying.comm_pool import hosted_store
-from flying.config import get_config
+from flying.node import probe
+from flying.node.config import get_config
+from flying.substrate.comm_pool import hosted_store
 
 
 def wait_and_warmup(original, *args, **kwargs):

@@ -3,7 +3,7 @@
 On the CPU platform every device collective of SGLang's layers (row-parallel
 ``all_reduce``, the vocab-parallel embedding's ``all_reduce``, the logits ``all_gather``)
 is a gloo call costing ~1 ms; SGLang's own CPU shortcut needs sgl_kernel CPU ops. These
-hooks route CPU tensors through ``flying.shm_allreduce`` instead:
+hooks route CPU tensors through ``flying.substrate.shm_allreduce`` instead:
 
 - ``all_reduce`` (AROUND): shared-memory sum when the group has a shared segment and the
   tensor fits; else the original (gloo).
@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import logging
 
-from flying.shm_allreduce import ShmAllReduce
-from sglang_patches.platform import wants_cpu_platform
+from flying.node.config import wants_cpu_platform
+from flying.substrate.shm_allreduce import ShmAllReduce
 
 logger = logging.getLogger(__name__)
 

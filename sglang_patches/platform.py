@@ -12,30 +12,9 @@ is on PyPI. Being out-of-tree (``PlatformEnum.OOT``) makes SGLang's layers take 
 
 from __future__ import annotations
 
-import os
-
-from flying.config import get_config
+from flying.node.config import wants_cpu_platform
 
 PLATFORM_CLASS = "sglang_patches.cpu_platform.FlyingCpuPlatform"
-
-
-def cuda_visible() -> bool:
-    """True when torch sees a CUDA device. Cheap when CUDA_VISIBLE_DEVICES is empty."""
-    if os.environ.get("CUDA_VISIBLE_DEVICES", None) == "":
-        return False
-    import torch
-
-    return bool(torch.cuda.is_available())
-
-
-def wants_cpu_platform() -> bool:
-    """Whether this process should serve on Flying's CPU platform."""
-    mode = get_config().platform
-    if mode == "native":
-        return False
-    if mode == "cpu":
-        return True
-    return not cuda_visible()
 
 
 def activate() -> str | None:

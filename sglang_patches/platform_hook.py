@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sglang_patches.platform import wants_cpu_platform
+from flying.node.config import wants_cpu_platform
 
 STEP = "handle_cpu_backends"
 

@@ -11,8 +11,8 @@
 
 from __future__ import annotations
 
-from flying import engine_setup
-from flying.engine import get_engine
+from flying.node import engine_setup
+from flying.session.engine import get_engine
 
 
 def init(result, scheduler, *args, **kwargs):

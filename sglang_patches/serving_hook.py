@@ -12,8 +12,8 @@ import logging
 import os
 from typing import Any
 
-from flying import cpu_threads
-from sglang_patches.platform import wants_cpu_platform
+from flying.node.config import wants_cpu_platform
+from flying.substrate import cpu_threads
 
 logger = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import logging
 
-from flying.metrics import count_finished
-from flying.request_tags import (
+from flying.node.metrics import count_finished
+from flying.node.request_tags import (
     degree_of,
     place,
     placement,

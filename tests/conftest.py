@@ -15,7 +15,7 @@ MAX_TOTAL_TOKENS = 2048
 
 @pytest.fixture(scope="session")
 def demo_model_dir() -> Path:
-    from flying.demo_model import ensure_demo_model
+    from flying.node.demo_model import ensure_demo_model
 
     return ensure_demo_model()
 

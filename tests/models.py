@@ -1,7 +1,7 @@
 """Tiny deterministic checkpoints of every model family Flying claims, for tests.
 
 Nothing is downloaded: each checkpoint is a transformers model with random weights from
-a fixed seed, saved with the demo model's byte-level tokenizer (``flying.demo_model``)
+a fixed seed, saved with the demo model's byte-level tokenizer (``flying.node.demo_model``)
 so that SGLang can serve it and ``tests.reference`` can run it. The Llama family *is* a
 small demo checkpoint (the demo builder itself); the others copy its tokenizer.
 
@@ -25,7 +25,7 @@ import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from flying.demo_model import DemoSpec, default_cache_dir, ensure_demo_model
+from flying.node.demo_model import DemoSpec, default_cache_dir, ensure_demo_model
 
 #: Bump when the recipe changes, so stale caches are not reused.
 RECIPE_VERSION = 1

@@ -27,13 +27,13 @@ def free_port() -> int:
 
 
 class Server:
-    """One ``flying.launch`` process tree on 127.0.0.1."""
+    """One ``flying.node.launch`` process tree on 127.0.0.1."""
 
     def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        cmd = [sys.executable, "-m", "flying.launch", "--host", "127.0.0.1"]
+        cmd = [sys.executable, "-m", "flying.node.launch", "--host", "127.0.0.1"]
         cmd += ["--port", str(self.port), *args]
         self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(

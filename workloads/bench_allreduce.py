@@ -62,7 +62,7 @@ def _agree_iters(est_s: float, budget_s: float) -> int:
 
 
 def _worker(rank: int, world: int, port: int, sizes: list[int], budget_s: float, q) -> None:
-    from flying.shm_allreduce import ShmAllReduce
+    from flying.substrate.shm_allreduce import ShmAllReduce
 
     cores = sorted(os.sched_getaffinity(0))
     os.sched_setaffinity(0, [cores[rank % len(cores)]])

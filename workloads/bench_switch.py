@@ -5,7 +5,7 @@
    (control round trip = controller issue -> engine step boundary, rendezvous = the
    bounded handshake, scope setup = entering TP mode) and the request's end-to-end
    latency; then the same prompts as plain DP requests.
-2. Vanilla SGLang ``--tp-size N --dp-size 1`` (through ``flying.launch``, so on the same
+2. Vanilla SGLang ``--tp-size N --dp-size 1`` (through ``flying.node.launch``, so on the same
    CPU platform) on the same prompts.
 
 Prints a markdown table (and writes it with ``--out``). Not a test: numbers depend on the
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     model_args = ["--model-path", a.model_path] if a.model_path else []
     if not model_args:
-        from flying.demo_model import ensure_demo_model
+        from flying.node.demo_model import ensure_demo_model
 
         model_args = ["--model-path", str(ensure_demo_model())]
     print(run(model_args, a.engines, a.requests, a.prompt_len, a.new_tokens, a.out))

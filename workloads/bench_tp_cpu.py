@@ -47,7 +47,7 @@ STARTUP_TIMEOUT_S = 600
 
 def heavy_spec(hidden: int, layers: int):
     """The demo architecture scaled up: same head dim ratio, GQA 4:1, MLP 2.75x hidden."""
-    from flying.demo_model import DemoSpec
+    from flying.node.demo_model import DemoSpec
 
     heads = max(8, hidden // 64)
     return DemoSpec(
@@ -67,7 +67,7 @@ def _free_port() -> int:
 
 
 class Server:
-    """A ``flying.launch`` process group, restarted if a signal kills it while starting."""
+    """A ``flying.node.launch`` process group, restarted if a signal kills it while starting."""
 
     def __init__(self, args: list[str], env: dict[str, str], log_path: Path) -> None:
         self.args, self.env, self.log_path = args, env, log_path
@@ -77,7 +77,7 @@ class Server:
     def start(self, retries: int = 2) -> float:
         for attempt in range(retries + 1):
             self.port = _free_port()
-            cmd = [sys.executable, "-m", "flying.launch", "--host", "127.0.0.1",
+            cmd = [sys.executable, "-m", "flying.node.launch", "--host", "127.0.0.1",
                    "--port", str(self.port), *self.args]
             t0 = time.perf_counter()
             with open(self.log_path, "w") as log:
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--log-dir", type=Path, default=None)
     args = parser.parse_args(argv)
-    from flying.demo_model import ensure_demo_model
+    from flying.node.demo_model import ensure_demo_model
 
     spec = heavy_spec(args.hidden, args.layers)
     model = ensure_demo_model(spec)

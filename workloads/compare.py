@@ -78,8 +78,8 @@ def free_port() -> int:
 
 
 def launcher_has_flag(flag: str) -> bool:
-    """Whether ``flying.launch`` knows Flying flag ``flag`` (flags are added over time)."""
-    from flying.config import flag_reference
+    """Whether ``flying.node.launch`` knows Flying flag ``flag`` (flags are added over time)."""
+    from flying.node.config import flag_reference
 
     return any(name == flag for name, _, _ in flag_reference())
 
@@ -91,7 +91,7 @@ def run_args(
     server_args: Sequence[str] = (),
     flying_args: Sequence[str] = (),
 ) -> list[str]:
-    """``flying.launch`` flags (without host/port) for run ``name``."""
+    """``flying.node.launch`` flags (without host/port) for run ``name``."""
     base = ["--model-path", model_path]
     if name == "static-dp":
         off = ["--flying-tp-degrees", "none"] if launcher_has_flag("--flying-tp-degrees") else []
@@ -108,7 +108,7 @@ class LaunchedServer:
 
     def __init__(self, args: Sequence[str], port: int, log_path: Path) -> None:
         self.url = f"http://127.0.0.1:{port}"
-        self.command = [sys.executable, "-m", "flying.launch", "--host", "127.0.0.1",
+        self.command = [sys.executable, "-m", "flying.node.launch", "--host", "127.0.0.1",
                         "--port", str(port), *args]
         self.log_path = log_path
         self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
@@ -220,7 +220,7 @@ def run_one(
     run_dir.mkdir(parents=True, exist_ok=True)
     result = RunResult(
         name=name,
-        command=["python", "-m", "flying.launch", *args],
+        command=["python", "-m", "flying.node.launch", *args],
         started=f"{datetime.now():%Y-%m-%d %H:%M:%S}",
         load_before=[round(x, 2) for x in os.getloadavg()],
     )
@@ -340,7 +340,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.model_path:
         model_path = args.model_path
     else:
-        from flying.demo_model import ensure_demo_model
+        from flying.node.demo_model import ensure_demo_model
 
         model_path = str(ensure_demo_model())
     out = Path(args.out or f"results/compare-{datetime.now():%Y%m%d-%H%M%S}")

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flying import kv_adaptor
-from flying.weight_views import build_shards, shares_storage, tp_layers
+from flying.substrate import kv_adaptor
+from flying.substrate.weight_views import build_shards, shares_storage, tp_layers
 from tests.unit.test_views import H, Model, _pool
 
 pytestmark = [

@@ -52,7 +52,7 @@ def _reference(model_dir: Path, ids: list[int]) -> list[int]:
 
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
-    from flying.demo_model import ensure_demo_model
+    from flying.node.demo_model import ensure_demo_model
 
     return ensure_demo_model()
 

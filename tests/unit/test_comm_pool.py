@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from flying.comm_pool import CommPool, host_store
+from flying.substrate.comm_pool import CommPool, host_store
 
 pytestmark = pytest.mark.unit
 
@@ -91,8 +91,8 @@ def test_share_ints_is_exact_and_min_agrees():
 def test_admission_offers_only_the_head_of_the_queue_for_the_same_group():
     from collections import deque
 
-    from flying.admission import MAX_PER_STEP, bind_key, candidates
-    from flying.messages import Bind
+    from flying.session.admission import MAX_PER_STEP, bind_key, candidates
+    from flying.session.messages import Bind
 
     def b(i, ranks=(0, 1)):
         return Bind(f"{i:012x}", len(ranks), ranks, req=None, issued_at=0.0)
@@ -110,7 +110,7 @@ def _fault(address, rank, out):
     """Rank 1 leaves a collective its peer entered (a fault mid-step) and poisons the
     group; rank 0 must raise at once, and after the next rendezvous both must agree on
     the shared-memory epoch again."""
-    from flying.shm_allreduce import ShmAllReduceError
+    from flying.substrate.shm_allreduce import ShmAllReduceError
 
     pool = CommPool.create(address, rank, 2, [2], prefix="fault")
     m = pool.member(2)

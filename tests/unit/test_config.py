@@ -4,8 +4,8 @@ import argparse
 
 import pytest
 
-from flying import config
-from flying.launch import fill_defaults, split_argv
+from flying.node import config
+from flying.node.launch import fill_defaults, split_argv
 
 pytestmark = pytest.mark.unit
 
@@ -75,7 +75,7 @@ def test_flag_reference_documented():
 def test_groups_are_off_on_cuda_unless_experimental():
     from dataclasses import replace
 
-    from flying.launch import guard_cuda_groups
+    from flying.node.launch import guard_cuda_groups
 
     cfg = replace(config.FlyingConfig(), tp_degrees="2")
     assert guard_cuda_groups(cfg, on_cpu=True).degree_list() == [2]

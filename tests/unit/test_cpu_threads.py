@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from flying.cpu_threads import bind_spec, parse_cpu_list, split_cores
+from flying.substrate.cpu_threads import bind_spec, parse_cpu_list, split_cores
 
 pytestmark = pytest.mark.unit
 

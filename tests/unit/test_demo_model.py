@@ -4,7 +4,7 @@ import hashlib
 
 import pytest
 
-from flying.demo_model import DEFAULT_SPEC, DemoSpec, ensure_demo_model
+from flying.node.demo_model import DEFAULT_SPEC, DemoSpec, ensure_demo_model
 
 pytestmark = pytest.mark.unit
 

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from flying import exchange
+from flying.session import exchange
 
 pytestmark = pytest.mark.unit
 

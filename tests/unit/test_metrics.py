@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from flying import metrics
+from flying.node import metrics
 
 pytestmark = pytest.mark.unit
 

@@ -10,8 +10,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from flying import config, messages, placement, placement_log, request_tags
-from flying import controller as flying_controller
+from flying.node import config, placement, placement_log, request_tags
+from flying.node import controller as flying_controller
+from flying.session import messages
 from scheduler.policy import Node, Policy, PolicyConfig, Request, least_loaded_group
 
 pytestmark = pytest.mark.unit
@@ -33,8 +34,8 @@ def cfg(monkeypatch):
 
 @pytest.fixture(autouse=True)
 def groups_open(monkeypatch):
-    """The start-up probe has passed (``flying.probe``'s gate), as on a ready server."""
-    from flying import controller, probe
+    """The start-up probe has passed (``flying.node.probe``'s gate), as on a ready server."""
+    from flying.node import controller, probe
 
     monkeypatch.setitem(probe._STATE, "gate", probe.OPEN)
     monkeypatch.setattr(controller, "_groups_open", lambda ctl: True)
@@ -599,7 +600,7 @@ def test_metrics_only_with_enable_metrics(cfg, monkeypatch, enabled):
 
     from fastapi import FastAPI
 
-    from flying import launch
+    from flying.node import launch
 
     app = FastAPI()
     monkeypatch.setitem(
@@ -621,7 +622,7 @@ def test_replay_roundtrips_none_and_dp_only():
 
 
 def test_explicit_tp_waits_for_the_start_up_probe(cfg, monkeypatch):
-    from flying import probe
+    from flying.node import probe
 
     monkeypatch.setitem(probe._STATE, "gate", probe.PROBING)
     with pytest.raises(ValueError, match="probe is running"):

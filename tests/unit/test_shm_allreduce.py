@@ -1,7 +1,7 @@
 """The shared-memory all-reduce under server conditions, with real processes.
 
 Each test spawns 2 or 4 processes that form a gloo group on 127.0.0.1 and build
-``flying.shm_allreduce.ShmAllReduce`` on it: sums against a float32 rank-order reference
+``flying.substrate.shm_allreduce.ShmAllReduce`` on it: sums against a float32 rank-order reference
 (fp32/bf16/fp16), many sizes in sequence, non-contiguous inputs, all-gather, hundreds of
 back-to-back calls with jittered timing (buffer reuse hazards), a straggler that joins
 late (and the waiting rank must not burn its core meanwhile), the gloo fallback above
@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from flying import shm_allreduce as sar
-from flying import shm_segment as seg
+from flying.substrate import shm_allreduce as sar
+from flying.substrate import shm_segment as seg
 
 pytestmark = pytest.mark.unit
 
@@ -40,7 +40,7 @@ def _free_port() -> int:
 def _context():
     """A forkserver that imports torch once: 4 fresh interpreters would take ~10 s here."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "numpy", "flying.shm_allreduce"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "numpy", "flying.substrate.shm_allreduce"])
     return ctx
 
 

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flying import kv_adaptor
-from flying.weight_views import build_shards, shares_storage, tp_layers
+from flying.substrate import kv_adaptor
+from flying.substrate.weight_views import build_shards, shares_storage, tp_layers
 
 pytestmark = pytest.mark.unit
 

@@ -114,7 +114,7 @@ def _prepare(attn, positions, x):
 def _check_family(model_path: str) -> dict:
     import torch
 
-    from flying.weight_views import build_shards, shares_storage, tp_layers
+    from flying.substrate.weight_views import build_shards, shares_storage, tp_layers
 
     model = _load(model_path)
     layer = model.model.layers[1]

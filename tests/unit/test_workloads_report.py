@@ -55,7 +55,7 @@ def _run(name: str, scale: float, modes: list[str | None] | None = None) -> RunR
     records = _records(scale, modes)
     return RunResult(
         name=name,
-        command=["python", "-m", "flying.launch", "--dp-size", "2"],
+        command=["python", "-m", "flying.node.launch", "--dp-size", "2"],
         ready_s=42.0,
         replay_s=11.0,
         load_before=[0.5, 0.4, 0.3],

@@ -12,6 +12,14 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 
+#: Switch (bind -> first group step) latency histogram bounds, in milliseconds.
+SWITCH_BUCKETS_MS = (1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 1000.0)
+
+
+def bucket_index(ms: float) -> int:
+    """Index of the first bucket whose bound holds ``ms`` (len(bounds) = +Inf)."""
+    return next((i for i, b in enumerate(SWITCH_BUCKETS_MS) if ms <= b), len(SWITCH_BUCKETS_MS))
+
 
 def publish(store, dp_rank: int, engine, scheduler=None) -> None:
     doc = {

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import logging
 
-from flying import status
-from flying.comm_pool import CommPool, store_address
-from flying.config import get_config
-from flying.engine import FlyingEngine, set_engine
+from flying.node.config import get_config
+from flying.session import status
+from flying.session.engine import FlyingEngine, set_engine
+from flying.substrate.comm_pool import CommPool, store_address
 
 logger = logging.getLogger(__name__)
 

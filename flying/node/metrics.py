@@ -1,7 +1,7 @@
 """Flying's Prometheus series, served on ``/metrics`` next to SGLang's own.
 
 Engine-side numbers (mode, binds, releases, preemptions, switch latencies) come from the
-status documents the engines publish in the launcher's TCPStore (``flying.status``), so a
+status documents the engines publish in the launcher's TCPStore (``flying.session.status``), so a
 scrape never waits on a busy engine. Requests by mode and priority are counted in the
 HTTP process as they finish (``count_finished``). With ``--enable-metrics`` SGLang's
 multi-process series are included in the same response.
@@ -13,15 +13,9 @@ import os
 import re
 from collections import Counter
 
-#: Switch (bind -> first group step) latency histogram bounds, in milliseconds.
-SWITCH_BUCKETS_MS = (1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 1000.0)
+from flying.session.status import SWITCH_BUCKETS_MS, bucket_index  # noqa: F401 (re-exported)
 
 _FINISHED: Counter[tuple[str, str]] = Counter()  # (mode, priority) -> requests
-
-
-def bucket_index(ms: float) -> int:
-    """Index of the first bucket whose bound holds ``ms`` (len(bounds) = +Inf)."""
-    return next((i for i, b in enumerate(SWITCH_BUCKETS_MS) if ms <= b), len(SWITCH_BUCKETS_MS))
 
 
 def count_finished(mode: str, priority: int | None) -> None:

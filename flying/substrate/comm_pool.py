@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from flying.layout import Group, group_containing
-from flying.shm_allreduce import ShmAllReduce
+from flying.substrate.layout import Group, group_containing
+from flying.substrate.shm_allreduce import ShmAllReduce
 
 logger = logging.getLogger(__name__)
 
@@ -271,8 +271,8 @@ _HOSTED: object | None = None
 
 def set_hosted_store(store) -> None:
     """Record the TCPStore this process hosts (the launcher, which is also SGLang's HTTP
-    process); set once. Kept here, not in ``flying.launch``: run as ``python -m``, the
-    launcher is ``__main__`` and ``import flying.launch`` would see a second copy."""
+    process); set once. Kept here, not in ``flying.node.launch``: run as ``python -m``, the
+    launcher is ``__main__`` and ``import flying.node.launch`` would see a second copy."""
     global _HOSTED
     if _HOSTED is not None:
         raise RuntimeError("hosted store already set in this process")

@@ -26,10 +26,10 @@ import logging
 import time
 from collections import deque
 
-from flying import kv_adaptor
-from flying.exchange import MAX_OFFERS
-from flying.messages import Bind
-from flying.placement import kv_tokens_needed, resolved_max_new_tokens
+from flying.session.budget import kv_tokens_needed, resolved_max_new_tokens
+from flying.session.exchange import MAX_OFFERS
+from flying.session.messages import Bind
+from flying.substrate import kv_adaptor
 
 logger = logging.getLogger(__name__)
 

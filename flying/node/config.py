@@ -228,3 +228,22 @@ def get_config() -> FlyingConfig:
         text = os.environ.get(ENV_VAR)
         _CONFIG = FlyingConfig.from_json(text) if text else FlyingConfig()
     return _CONFIG
+
+
+def cuda_visible() -> bool:
+    """True when torch sees a CUDA device. Cheap when CUDA_VISIBLE_DEVICES is empty."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) == "":
+        return False
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def wants_cpu_platform() -> bool:
+    """Whether this process should serve on Flying's CPU platform."""
+    mode = get_config().platform
+    if mode == "native":
+        return False
+    if mode == "cpu":
+        return True
+    return not cuda_visible()

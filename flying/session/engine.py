@@ -10,12 +10,12 @@ switched into TP mode by ``tp_scope.session_scope``.
 
 Lockstep: every member runs the identical request set with identical KV capacity, so
 SGLang's deterministic scheduling forms identical batches; each step the members check
-that with one tiny broadcast of the leader's batch signature (``flying.exchange``), and
+that with one tiny broadcast of the leader's batch signature (``flying.session.exchange``), and
 every sampled token is the leader's (``Member.share_tokens_``), so members write the
 same tokens into their KV shards. Only the leader streams outputs to the client.
 
 Containment: any exception inside a session (a step, a collective, a lockstep
-mismatch) ends that session only (``flying.containment``); the engine returns to DP
+mismatch) ends that session only (``flying.session.containment``); the engine returns to DP
 with its KV slots and request rows accounted for and keeps serving.
 """
 
@@ -29,12 +29,12 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from flying import aborts, admission, containment, exchange, status, tp_scope
-from flying.aborts import AbortBook
-from flying.comm_pool import CommPool
-from flying.faults import FaultSwitch
-from flying.messages import Bind
-from flying.metrics import SWITCH_BUCKETS_MS, bucket_index
+from flying.session import aborts, admission, containment, exchange, status, tp_scope
+from flying.session.aborts import AbortBook
+from flying.session.faults import FaultSwitch
+from flying.session.messages import Bind
+from flying.session.status import SWITCH_BUCKETS_MS, bucket_index
+from flying.substrate.comm_pool import CommPool
 
 logger = logging.getLogger(__name__)
 

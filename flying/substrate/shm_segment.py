@@ -1,4 +1,4 @@
-"""Lifecycle of the /dev/shm files behind ``flying.shm_allreduce``: create, attach, unlink.
+"""Lifecycle of the /dev/shm files behind ``flying.substrate.shm_allreduce``: create, attach, unlink.
 
 Invariant: a segment file exists in /dev/shm only during a group's setup, between its
 creation by the group's rank 0 and the members' vote that everyone mapped it; then rank 0

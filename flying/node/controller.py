@@ -19,10 +19,10 @@ import logging
 import time
 import uuid
 
-from flying import placement_log
-from flying.config import get_config
-from flying.layout import Group, groups_of
-from flying.messages import Bind, read_mark
+from flying.node import placement_log
+from flying.node.config import get_config
+from flying.session.messages import Bind, read_mark
+from flying.substrate.layout import Group, groups_of
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ def attach(controller) -> None:
 
 def _policy(controller):
     if controller._flying_policy is None and getattr(controller, "max_req_input_len", None):
-        from flying.placement import make_policy
+        from flying.node.placement import make_policy
 
         controller._flying_policy = make_policy(
             controller.server_args.dp_size, controller.max_req_input_len
@@ -103,7 +103,7 @@ def binds_for(controller, req) -> list[tuple[int, Bind]]:
 
     if is_health_check_generate_req(req):
         return []
-    from flying.placement import dp_only_feature
+    from flying.node.placement import dp_only_feature
 
     feature = dp_only_feature(req)
     degree, group = marker.degree, None
@@ -130,7 +130,7 @@ def binds_for(controller, req) -> list[tuple[int, Bind]]:
 def _priority_group(controller, req, degree: int, bound: int) -> Group | None:
     """The least loaded group of ``degree`` if its members hold at most ``bound`` DP
     requests; otherwise None (the request runs in DP; recorded for meta_info)."""
-    from flying.placement import loads_of
+    from flying.node.placement import loads_of
     from scheduler.policy import least_loaded_group
 
     loads = loads_of(controller.load_snapshot_reader.read_all())
@@ -165,16 +165,16 @@ def on_abort(controller, abort_req) -> None:
 
 def _store(controller):
     if getattr(controller, "_flying_store", None) is None:
-        from flying.comm_pool import connect_store, store_address
+        from flying.substrate.comm_pool import connect_store, store_address
 
         controller._flying_store = connect_store(store_address())
     return controller._flying_store
 
 
 def _groups_open(controller) -> bool:
-    """The start-up probe's gate (``flying.probe``): no adaptive group before it opens."""
+    """The start-up probe's gate (``flying.node.probe``): no adaptive group before it opens."""
     if getattr(controller, "_flying_gate", None) is None:
-        from flying.probe import GateReader
+        from flying.node.probe import GateReader
 
         controller._flying_gate = GateReader(_store(controller))
     return controller._flying_gate.open()
@@ -184,7 +184,7 @@ def _adaptive_degree(controller, req) -> int:
     policy = _policy(controller)
     if policy is None or not _groups_open(controller):
         return 0
-    from flying.placement import loads_of, request_of
+    from flying.node.placement import loads_of, request_of
 
     loads = loads_of(controller.load_snapshot_reader.read_all())
     was_light = policy.light

@@ -19,8 +19,8 @@ import contextlib
 import dataclasses
 from collections.abc import Iterator
 
-from flying import kv_adaptor
-from flying.weight_views import build_shards, tp_layers
+from flying.substrate import kv_adaptor
+from flying.substrate.weight_views import build_shards, tp_layers
 
 
 class _NullSender:

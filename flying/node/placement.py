@@ -17,7 +17,12 @@ such a request is served in DP (or refused where a client forced a group).
 
 from __future__ import annotations
 
-from flying.config import get_config
+from flying.node.config import get_config
+from flying.session.budget import (  # noqa: F401 (re-exported for callers)
+    ADMISSION_SLACK,
+    kv_tokens_needed,
+    resolved_max_new_tokens,
+)
 from scheduler.policy import EngineLoad, Node, Policy, PolicyConfig, Request
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's SamplingParams default
@@ -25,9 +30,6 @@ DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's SamplingParams default
 #: max_req_input_len = max_req_len - 5, so an engine's KV slots are the input limit + 6
 #: (when the context length is not the tighter bound).
 SLOTS_ABOVE_INPUT_LIMIT = 6
-#: Tokens a TP session reserves beyond prompt + max_new_tokens: SGLang's admission keeps
-#: one page per request and one slot of headroom (strict ``<``) free.
-ADMISSION_SLACK = 4
 
 
 def make_policy(num_engines: int, max_req_input_len: int, context_len: int = 0) -> Policy:
@@ -71,28 +73,6 @@ def max_new_tokens(sampling_params) -> int | None:
     if value < 0:
         raise ValueError(f"max_new_tokens must be at least 0, got {value}")
     return value
-
-
-def resolved_max_new_tokens(prompt_len: int, max_new_tokens: int | None, limit: int) -> int:
-    """Output tokens a request may produce: ``max_new_tokens``, or for None SGLang's
-    bound ``limit - prompt - 1`` (``init_req_max_new_tokens``), never below 0."""
-    if max_new_tokens is None:
-        return max(0, int(limit) - int(prompt_len) - 1)
-    return max(0, int(max_new_tokens))
-
-
-def kv_tokens_needed(
-    prompt_len: int, max_new_tokens: int | None, limit: int, slack: int = ADMISSION_SLACK
-) -> int:
-    """KV tokens a grouped request may use: prompt + its output bound + admission slack.
-
-    ``limit`` is the longest request (prompt + output) SGLang admits on one engine in DP
-    mode (its ``max_req_len``): a request without max_new_tokens in a group may grow
-    exactly as far as it would in DP. A request whose prompt only a group holds never
-    arrives with None: the HTTP process gives it an explicit bound (the group's capacity
-    less the prompt, ``place``), so this never resolves a long prompt to 0 new tokens.
-    """
-    return int(prompt_len) + resolved_max_new_tokens(prompt_len, max_new_tokens, limit) + slack
 
 
 def request_of(

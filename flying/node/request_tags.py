@@ -26,9 +26,9 @@ import os
 import re
 from dataclasses import dataclass
 
-from flying import probe
-from flying.config import get_config
-from flying.messages import check_routing_key, mark, read_mark
+from flying.node import probe
+from flying.node.config import get_config
+from flying.session.messages import check_routing_key, mark, read_mark
 
 logger = logging.getLogger(__name__)
 
@@ -196,7 +196,7 @@ def place(obj, input_ids, manager) -> None:
     static-tp; features that run in DP only. Rejects (ValueError: HTTP 400) what not even
     the whole node holds, and a forced group the request's features cannot run in.
     Leaves the adaptive load decision to the controller."""
-    from flying import placement
+    from flying.node import placement
     from scheduler.policy import Request
 
     marker = read_mark(getattr(obj, "routing_key", None))
@@ -249,7 +249,7 @@ def place(obj, input_ids, manager) -> None:
 
 def expect_controller(obj) -> None:
     """The controller may record where ``obj`` runs (adaptive TP, priority kept in DP)."""
-    from flying import placement_log
+    from flying.node import placement_log
 
     rid = getattr(obj, "rid", None)
     if isinstance(rid, str):
@@ -263,7 +263,7 @@ def _policy(manager):
     """The HTTP process's policy instance (its load decisions are the controller's)."""
     global _POLICY
     if _POLICY is None:
-        from flying.placement import make_policy
+        from flying.node.placement import make_policy
 
         engines = max(get_config().degree_list() or [1])
         _POLICY = make_policy(
@@ -288,8 +288,8 @@ def where_it_ran(obj, meta: dict) -> tuple[int, str]:
     )
     if not consult:
         return marker.degree, note
-    from flying import placement_log
-    from flying.comm_pool import hosted_store
+    from flying.node import placement_log
+    from flying.substrate.comm_pool import hosted_store
 
     store = hosted_store()
     if store is None:
@@ -304,8 +304,8 @@ def where_it_ran(obj, meta: dict) -> tuple[int, str]:
 def request_ended(obj) -> None:
     """The handler of ``obj`` ended (answered, failed or closed): drop placement state
     kept for its requests and any store key the controller wrote but nobody read."""
-    from flying import placement_log
-    from flying.comm_pool import hosted_store
+    from flying.node import placement_log
+    from flying.substrate.comm_pool import hosted_store
 
     try:
         rids = obj.rid if isinstance(obj.rid, list) else [obj.rid]

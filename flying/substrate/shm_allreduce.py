@@ -55,7 +55,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from flying import shm_segment
+from flying.substrate import shm_segment
 
 logger = logging.getLogger(__name__)
 
