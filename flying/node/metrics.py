@@ -53,8 +53,7 @@ class FlyingCollector:
         total_ms = 0.0
         for e in doc.get("engines", []):
             rank = str(e.get("rank"))
-            mode = str(e.get("mode", "dp"))
-            degree.add_metric([rank], int(mode[2:]) if mode.startswith("tp") else 1)
+            degree.add_metric([rank], int(e.get("degree", 1)))
             for key, fam in counters.items():
                 fam.add_metric([rank], e.get(key, 0))
             for i, n in enumerate(e.get("switch_hist", [])):

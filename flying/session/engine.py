@@ -33,7 +33,7 @@ from flying.session import aborts, admission, containment, exchange, status, tp_
 from flying.session.aborts import AbortBook
 from flying.session.faults import FaultSwitch
 from flying.session.messages import Bind
-from flying.session.status import SWITCH_BUCKETS_MS, bucket_index
+from flying.session.status import SESSION_BUCKETS_S, SWITCH_BUCKETS_MS, bucket_index
 from flying.substrate.comm_pool import CommPool
 
 logger = logging.getLogger(__name__)
@@ -85,6 +85,9 @@ class EngineCounters:
     #: per ``metrics.SWITCH_BUCKETS_MS`` bucket (+Inf last), and the sum in ms
     switch_hist: list[int] = field(default_factory=lambda: [0] * (len(SWITCH_BUCKETS_MS) + 1))
     switch_ms_sum: float = 0.0
+    #: group session length (bind -> release) histogram per ``SESSION_BUCKETS_S``
+    session_hist: list[int] = field(default_factory=lambda: [0] * (len(SESSION_BUCKETS_S) + 1))
+    session_s_sum: float = 0.0
     last_switch_ms: dict[str, float] = field(default_factory=dict)
     last_fault: str = ""
 
@@ -273,6 +276,8 @@ class FlyingEngine:
         switch_ms = (t_scope - t0) * 1e3
         self.counters.switch_hist[bucket_index(switch_ms)] += 1
         self.counters.switch_ms_sum += switch_ms
+        self.counters.session_hist[bucket_index(t_end - t0, SESSION_BUCKETS_S)] += 1
+        self.counters.session_s_sum += t_end - t0
         logger.info(
             "flying: engine %d -> DP (bind %s released, %d TP requests served)",
             self.dp_rank, bind.bind_id, admitted,

@@ -16,15 +16,20 @@ from dataclasses import asdict
 SWITCH_BUCKETS_MS = (1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 1000.0)
 
 
-def bucket_index(ms: float) -> int:
-    """Index of the first bucket whose bound holds ``ms`` (len(bounds) = +Inf)."""
-    return next((i for i, b in enumerate(SWITCH_BUCKETS_MS) if ms <= b), len(SWITCH_BUCKETS_MS))
+#: Group session length (bind -> release) histogram bounds, in seconds.
+SESSION_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+def bucket_index(value: float, bounds: tuple[float, ...] = SWITCH_BUCKETS_MS) -> int:
+    """Index of the first bucket whose bound holds ``value`` (len(bounds) = +Inf)."""
+    return next((i for i, b in enumerate(bounds) if value <= b), len(bounds))
 
 
 def publish(store, dp_rank: int, engine, scheduler=None) -> None:
     doc = {
         "rank": dp_rank,
         "mode": str(engine.mode),
+        "degree": engine.mode.degree,
         **(_kv_slots(scheduler) if scheduler is not None else {}),
         "degrees": sorted(engine.pool.members) if engine.pool else [],
         "pending_binds": len(engine.pending),
