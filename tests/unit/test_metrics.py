@@ -15,7 +15,7 @@ def test_collector_renders_modes_counters_histogram_and_requests():
     hist[metrics.bucket_index(0.4)] += 1  # <= 1 ms
     hist[metrics.bucket_index(30.0)] += 2  # <= 50 ms
     doc = {"engines": [
-        {"rank": 0, "mode": "tp2", "binds": 3, "releases": 2, "tp_requests": 5,
+        {"rank": 0, "mode": "tp2", "degree": 2, "binds": 3, "releases": 2, "tp_requests": 5,
          "switch_hist": hist, "switch_ms_sum": 60.4},
         {"rank": 1, "mode": "dp", "binds": 3, "releases": 3},
     ]}
