@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from workloads.server import free_port
 
 DEFAULT_SIZES = "1K,4K,16K,64K,256K,1M,4M"
 REPEATS = 5
@@ -39,12 +40,6 @@ def parse_size(text: str) -> int:
 
 def fmt_size(n: int) -> str:
     return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _time_batch(fn, t: torch.Tensor, iters: int) -> float:
@@ -100,7 +95,7 @@ def run(world: int, sizes: list[int], budget_s: float) -> list[tuple[int, float,
     """(bytes, gloo seconds per call, shm seconds per call) for each size."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [
         ctx.Process(target=_worker, args=(r, world, port, sizes, budget_s, q))
         for r in range(world)

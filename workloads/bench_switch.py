@@ -24,7 +24,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from workloads.compare import LaunchedServer, free_port, log
+from workloads.compare import log
+from workloads.server import Server
 
 
 def _post(url: str, payload: dict, headers: dict | None = None) -> tuple[dict, float]:
@@ -54,8 +55,8 @@ def _payload(ids: list[int], new: int) -> dict:
     }
 
 
-def _serve(args: list[str], log_path: Path) -> LaunchedServer:
-    server = LaunchedServer(args, free_port(), log_path)
+def _serve(args: list[str], log_path: Path) -> Server:
+    server = Server(args, log_path)
     log(f"starting {' '.join(args)}")
     log(f"ready in {server.wait_ready():.0f} s")
     return server

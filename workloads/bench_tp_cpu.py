@@ -25,24 +25,19 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import signal
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import requests
+from workloads.server import Server, start_server
 
 RUNS = {
     "one": (["--tp-size", "1"], {}),
     "tp2": (["--tp-size", "2"], {}),
     "tp2-gloo": (["--tp-size", "2"], {"FLYING_SHM_ALLREDUCE": "0"}),
 }
-STARTUP_TIMEOUT_S = 600
 
 
 def heavy_spec(hidden: int, layers: int):
@@ -60,68 +55,12 @@ def heavy_spec(hidden: int, layers: int):
     )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """A ``flying.node.launch`` process group, restarted if a signal kills it while starting."""
-
-    def __init__(self, args: list[str], env: dict[str, str], log_path: Path) -> None:
-        self.args, self.env, self.log_path = args, env, log_path
-        self.proc: subprocess.Popen | None = None
-        self.port = 0
-
-    def start(self, retries: int = 2) -> float:
-        for attempt in range(retries + 1):
-            self.port = _free_port()
-            cmd = [sys.executable, "-m", "flying.node.launch", "--host", "127.0.0.1",
-                   "--port", str(self.port), *self.args]
-            t0 = time.perf_counter()
-            with open(self.log_path, "w") as log:
-                self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                             env={**os.environ, **self.env},
-                                             start_new_session=True)
-            deadline = time.monotonic() + STARTUP_TIMEOUT_S
-            while time.monotonic() < deadline and self.proc.poll() is None:
-                try:
-                    url = f"http://127.0.0.1:{self.port}/health_generate"
-                    if requests.get(url, timeout=5).status_code == 200:
-                        return time.perf_counter() - t0
-                except requests.RequestException:
-                    pass
-                time.sleep(1.0)
-            code = self.proc.poll()
-            self.stop()
-            if code is None or code >= 0 or attempt == retries:
-                tail = "\n".join(self.log_path.read_text(errors="replace").splitlines()[-30:])
-                raise RuntimeError(f"server did not start (exit {code}):\n{tail}")
-            print(f"  server killed by signal {-code} while starting; retrying", flush=True)
-        raise AssertionError("unreachable")
-
-    def generate(self, ids: list[int], new_tokens: int) -> float:
-        payload = {"input_ids": ids, "sampling_params": {
-            "max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}}
-        t0 = time.perf_counter()
-        resp = requests.post(f"http://127.0.0.1:{self.port}/generate", json=payload, timeout=600)
-        resp.raise_for_status()
-        assert len(resp.json()["output_ids"]) == new_tokens
-        return time.perf_counter() - t0
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-            try:
-                os.killpg(self.proc.pid, sig)
-                self.proc.wait(timeout=wait_s)
-                return
-            except ProcessLookupError:
-                return
-            except subprocess.TimeoutExpired:
-                continue
+def generate(server: Server, ids: list[int], new_tokens: int) -> float:
+    """Client-side latency (s) of one greedy request of exactly ``new_tokens`` tokens."""
+    t0 = time.perf_counter()
+    body = server.generate_ids(ids, new_tokens, timeout=600)
+    assert len(body["output_ids"]) == new_tokens
+    return time.perf_counter() - t0
 
 
 @dataclass
@@ -139,14 +78,15 @@ class Result:
 def run_one(name: str, model: Path, prompts: list[list[int]], new_tokens: int,
             log_dir: Path) -> Result:
     args, env = RUNS[name]
-    server = Server(["--model-path", str(model), "--dp-size", "1", "--max-total-tokens",
-                     "4096", *args], env, log_dir / f"{name}.log")
     print(f"{name}: starting", flush=True)
-    startup = server.start()
+    server, startup = start_server(
+        ["--model-path", str(model), "--dp-size", "1", "--max-total-tokens", "4096", *args],
+        log_dir / f"{name}.log", env=env, retries=2, on_retry=print,
+    )
     try:
         for p in prompts[:2]:
-            server.generate(p, new_tokens)  # warm-up
-        lat = [server.generate(p, new_tokens) for p in prompts[2:]]
+            generate(server, p, new_tokens)  # warm-up
+        lat = [generate(server, p, new_tokens) for p in prompts[2:]]
     finally:
         server.stop()
     log = (log_dir / f"{name}.log").read_text(errors="replace")

@@ -27,13 +27,8 @@ import asyncio
 import json
 import os
 import shlex
-import signal
-import socket
-import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
@@ -51,14 +46,8 @@ from workloads.report import (
     save_run,
     write_report,
 )
+from workloads.server import STARTUP_TIMEOUT_S, ServerFailed, free_port, start_server
 from workloads.trace import TraceRequest, load_trace
-
-#: Generous: a 2-core machine shared with other servers may take minutes to start one.
-STARTUP_TIMEOUT_S = 600.0
-STOP_TIMEOUT_S = 30.0
-
-#: Server log lines left out of a failed run's log tail: import warnings and C++ stack frames.
-LOG_NOISE = ("warnings.warn", "UserWarning", "frame #")
 
 #: SGLang puts ``queue_time`` into a response's meta_info only with metrics enabled; every run
 #: gets it, so the (small) cost of collecting metrics is the same for all systems.
@@ -68,13 +57,6 @@ METRICS_FLAG = "--enable-metrics"
 def log(message: str) -> None:
     """One timestamped progress line, flushed so a long run shows where it is."""
     print(f"[compare {datetime.now():%H:%M:%S}] {message}", flush=True)
-
-
-def free_port() -> int:
-    """An unused TCP port on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def launcher_has_flag(flag: str) -> bool:
@@ -103,62 +85,6 @@ def run_args(
     raise ValueError(f"unknown run {name!r}; known: {', '.join(RUN_NAMES)}")
 
 
-class LaunchedServer:
-    """A ``python -m flying.launch`` process tree in its own session, so it can be killed whole."""
-
-    def __init__(self, args: Sequence[str], port: int, log_path: Path) -> None:
-        self.url = f"http://127.0.0.1:{port}"
-        self.command = [sys.executable, "-m", "flying.node.launch", "--host", "127.0.0.1",
-                        "--port", str(port), *args]
-        self.log_path = log_path
-        self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            self.command, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-
-    def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> float:
-        """Seconds until ``/health_generate`` answers 200 (it runs one real generation)."""
-        start = time.monotonic()
-        while time.monotonic() - start < timeout_s:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with code {self.proc.returncode}")
-            try:
-                with urllib.request.urlopen(self.url + "/health_generate", timeout=10) as resp:
-                    if resp.status == 200:
-                        return time.monotonic() - start
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(1.0)
-        raise TimeoutError(f"server not ready in {timeout_s:g} s")
-
-    def log_tail(self, n: int = 30) -> str:
-        """The last ``n`` lines of the server's output, for failed runs."""
-        self._log.flush()
-        lines = [
-            line for line in self.log_path.read_text(errors="replace").splitlines()
-            if line.strip() and not any(noise in line for noise in LOG_NOISE)
-        ]
-        return "\n".join(line[:300] for line in lines[-n:])
-
-    def stop(self) -> None:
-        """SIGTERM the whole process group, SIGKILL what is left after a grace period."""
-        if self.proc.poll() is None:
-            for sig, wait_s in ((signal.SIGTERM, STOP_TIMEOUT_S), (signal.SIGKILL, 10.0)):
-                try:
-                    os.killpg(self.proc.pid, sig)
-                    self.proc.wait(timeout=wait_s)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
-                except ProcessLookupError:
-                    break
-        try:  # children that outlived the leader are still in the group
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self._log.close()
-
-
 def launcher_notes(log_path: Path) -> list[str]:
     """Defaults the launcher added (its "adding --x" lines) and Flying's resolved degrees."""
     notes: list[str] = []
@@ -167,42 +93,6 @@ def launcher_notes(log_path: Path) -> list[str]:
         if "adding --" in text or text.startswith("Flying TP degrees"):
             notes.append(text.strip())
     return notes
-
-
-def start_server(
-    name: str,
-    args: Sequence[str],
-    port: int,
-    log_path: Path,
-    retries: int,
-    startup_timeout_s: float = STARTUP_TIMEOUT_S,
-) -> tuple[LaunchedServer, float]:
-    """A ready server and its startup seconds; retried when killed by a signal during startup.
-
-    On a shared machine another user's cleanup (e.g. a broad ``pkill``) may kill a starting
-    server; that says nothing about the system under test, so it is retried. A server that
-    fails by itself (non-signal exit, timeout) is not.
-    """
-    for attempt in range(retries + 1):
-        server = LaunchedServer(args, port, log_path)
-        try:
-            return server, server.wait_ready(startup_timeout_s)
-        except (RuntimeError, TimeoutError) as exc:
-            code = server.proc.poll()
-            tail = server.log_tail()
-            server.stop()
-            if code is None or code >= 0 or attempt == retries:
-                raise ServerFailed(str(exc), tail) from exc
-            log(f"{name}: server killed by signal {-code} during startup; retrying")
-    raise AssertionError("unreachable")
-
-
-class ServerFailed(RuntimeError):
-    """A server that did not come up; carries the tail of its log."""
-
-    def __init__(self, message: str, log_tail: str) -> None:
-        super().__init__(message)
-        self.log_tail = log_tail
 
 
 def run_one(
@@ -227,7 +117,8 @@ def run_one(
     log(f"{name}: starting server: {shlex.join(result.command)}")
     try:
         server, result.ready_s = start_server(
-            name, args, port, run_dir / "server.log", retries, startup_timeout_s
+            args, run_dir / "server.log", port=port, retries=retries,
+            timeout_s=startup_timeout_s, on_retry=lambda msg: log(f"{name}: {msg}"),
         )
     except ServerFailed as exc:
         result.error, result.log_tail = str(exc), exc.log_tail

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.server import Server
+from workloads.server import Server
 
 pytestmark = pytest.mark.integration
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 import time
 import traceback
 from pathlib import Path
@@ -25,16 +24,11 @@ import torch.multiprocessing as mp
 
 from flying.substrate import shm_allreduce as sar
 from flying.substrate import shm_segment as seg
+from workloads.server import free_port
 
 pytestmark = pytest.mark.unit
 
 SLOT = 64 << 10  # bytes per rank slot in these tests
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _context():
@@ -69,7 +63,7 @@ def _spawn(world: int, scenario, messages: int, timeout_s: float = 90.0) -> dict
     before = _segments()
     ctx = _context()
     q = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_entry, args=(r, world, port, scenario, q)) for r in range(world)]
     for p in procs:
         p.start()

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +27,7 @@ from pathlib import Path
 import pytest
 
 from tests.models import FAMILIES, ensure_model
+from workloads.server import free_port
 
 pytestmark = pytest.mark.unit
 
@@ -164,9 +164,7 @@ def main(paths: dict[str, str]) -> None:
     from sglang.srt.distributed.bootstrap import _init_parallel_groups
 
     first = next(iter(paths.values()))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     _init_parallel_groups(
         backend="gloo", dist_init_method=f"tcp://127.0.0.1:{port}",
         server_args=_publish(first), gpu_id=0,
