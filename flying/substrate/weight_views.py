@@ -13,8 +13,9 @@ rank r computes with *views* of those tensors; nothing is copied or reloaded:
 - embedding and lm_head stay replicated: every member computes full logits.
 
 The mode switch is per module *instance* (an instance attribute ``forward`` shadows the
-class's), entered and left by ``tp_layers()``, a context manager that always restores in
-``finally``. DP mode is therefore the untouched SGLang code path, with zero overhead.
+class's), held by ``layer_toggle()`` (built once per degree, entered for TP steps and
+left for DP steps; ``tp_layers()`` is the context-manager form that always restores in
+``finally``). DP mode is therefore the untouched SGLang code path, with zero overhead.
 
 The installed forwards keep SGLang's call contract for those layers, so every family's
 model code calls them unchanged: column-parallel ``forward(input_)`` and row-parallel
@@ -33,13 +34,14 @@ weight spans more than one head (those need statistics over all heads: a reducti
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from flying.substrate.toggle import Toggle, entered
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 
@@ -268,44 +270,35 @@ class _RowView:
         return out, None
 
 
-@contextlib.contextmanager
-def tp_layers(table: ShardTable, reduce: AllReduce) -> Iterator[None]:
-    """Run the model's layers as TP rank ``table.rank`` of ``table.degree``.
-
-    Sets per-instance forwards and head counts; restores all of them in ``finally``.
-    """
+def layer_toggle(table: ShardTable, reduce: AllReduce) -> Toggle:
+    """The toggle that runs the model's layers as TP rank ``table.rank`` of
+    ``table.degree``: per-instance forwards (the views) and per-rank head counts.
+    Built once per degree; entering and leaving it is a few attribute writes per layer."""
     m = table.degree
-    saved: list[tuple[object, str, object, bool]] = []
+    toggle = Toggle()
+    for s in table.attention:
+        a = s.module
+        toggle.add(a.qkv_proj, "forward", _QkvView(s))
+        toggle.add(a.o_proj, "forward", _RowView(s.o_w, s.o_b, reduce))
+        for name in ("num_heads", "num_kv_heads", "q_size", "kv_size"):
+            toggle.add(a, name, getattr(a, name) // m)
+        for name in ("tp_q_head_num", "tp_k_head_num", "tp_v_head_num"):
+            toggle.add(a.attn, name, getattr(a.attn, name) // m)
+    for p in table.mlp:
+        mod = p.module
+        toggle.add(mod.gate_up_proj, "forward", _GateUpView(p))
+        toggle.add(mod.down_proj, "forward", _RowView(p.down_w, None, reduce))
+        # Both bypass gate_up_proj / down_proj's forward with the full weights: the
+        # fused dual GEMM (mode None = off) and the FP8 decode activation (which
+        # would hand down_proj a quantized tuple; off unless the layer is FP8).
+        if getattr(mod, "dual_gemm", None) is not None:
+            toggle.add(mod.dual_gemm, "mode", None)
+        if getattr(mod, "activation_quant", None) is not None:
+            toggle.add(mod.activation_quant, "enabled", False)
+    return toggle
 
-    def put(obj: object, name: str, value: object) -> None:
-        had = name in vars(obj)
-        saved.append((obj, name, vars(obj).get(name), had))
-        setattr(obj, name, value)
 
-    try:
-        for s in table.attention:
-            a = s.module
-            put(a.qkv_proj, "forward", _QkvView(s))
-            put(a.o_proj, "forward", _RowView(s.o_w, s.o_b, reduce))
-            for name in ("num_heads", "num_kv_heads", "q_size", "kv_size"):
-                put(a, name, getattr(a, name) // m)
-            for name in ("tp_q_head_num", "tp_k_head_num", "tp_v_head_num"):
-                put(a.attn, name, getattr(a.attn, name) // m)
-        for p in table.mlp:
-            mod = p.module
-            put(mod.gate_up_proj, "forward", _GateUpView(p))
-            put(mod.down_proj, "forward", _RowView(p.down_w, None, reduce))
-            # Both bypass gate_up_proj / down_proj's forward with the full weights: the
-            # fused dual GEMM (mode None = off) and the FP8 decode activation (which
-            # would hand down_proj a quantized tuple; off unless the layer is FP8).
-            if getattr(mod, "dual_gemm", None) is not None:
-                put(mod.dual_gemm, "mode", None)
-            if getattr(mod, "activation_quant", None) is not None:
-                put(mod.activation_quant, "enabled", False)
-        yield
-    finally:
-        for obj, name, old, had in reversed(saved):
-            if had:
-                setattr(obj, name, old)
-            else:
-                delattr(obj, name)
+def tp_layers(table: ShardTable, reduce: AllReduce):
+    """Context manager: the layers as TP rank ``table.rank`` for the block, restored in
+    ``finally`` (``layer_toggle`` entered once)."""
+    return entered(layer_toggle(table, reduce))
