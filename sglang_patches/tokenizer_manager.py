@@ -6,14 +6,15 @@
 - ``_validate_one_request`` (around): the policy's per-request placement (priority,
   long context, DP-only features; too long for the node or a forced group the request
   cannot run in -> 400), and a TP-m request may use m engines' KV.
-- ``_handle_batch_output`` (around): add ``meta_info["flying"]`` (where it ran).
+- ``_handle_batch_output`` (around): add ``meta_info["flying"]`` (where it ran); when a
+  request finishes, count it and record its TTFT / TPOT by mode (``flying.node.metrics``).
 """
 
 from __future__ import annotations
 
 import logging
 
-from flying.node.metrics import count_finished
+from flying.node.metrics import count_finished, observe_finished
 from flying.node.request_tags import (
     degree_of,
     place,
@@ -70,3 +71,4 @@ def _report(state) -> None:
             meta["flying"] = info
             if meta.get("finish_reason") is not None:
                 count_finished(info["mode"], getattr(state.obj, "priority", None))
+                observe_finished(info["degree"], state.time_stats, meta)

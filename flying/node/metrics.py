@@ -1,10 +1,13 @@
 """Flying's Prometheus series, served on ``/metrics`` next to SGLang's own.
 
-Engine-side numbers (mode, binds, releases, preemptions, switch latencies) come from the
-status documents the engines publish in the launcher's TCPStore (``flying.session.status``), so a
-scrape never waits on a busy engine. Requests by mode and priority are counted in the
-HTTP process as they finish (``count_finished``). With ``--enable-metrics`` SGLang's
+Engine-side numbers (mode, binds, releases, preemptions, switch latencies, group session
+lengths) come from the status documents the engines publish in the launcher's TCPStore
+(``flying.session.status``), so a scrape never waits on a busy engine. Requests by mode
+and priority, and their TTFT / TPOT by mode, are recorded in the HTTP process as they
+finish (``count_finished``, ``observe_finished``). With ``--enable-metrics`` SGLang's
 multi-process series are included in the same response.
+
+The series and the dashboard that reads them are described in docs/MONITORING.md.
 """
 
 from __future__ import annotations
@@ -12,23 +15,102 @@ from __future__ import annotations
 import os
 import re
 from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
-from flying.session.status import SWITCH_BUCKETS_MS, bucket_index  # noqa: F401 (re-exported)
+from flying.session.status import (  # noqa: F401 (re-exported)
+    SESSION_BUCKETS_S,
+    SWITCH_BUCKETS_MS,
+    bucket_index,
+)
+
+#: TTFT bounds (s): SGLang's ``sglang:time_to_first_token_seconds`` defaults, with three
+#: finer bounds below 0.1 s first, so short prompts on small models are not one bucket.
+TTFT_BUCKETS_S = (
+    0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 2.0, 4.0, 6.0, 8.0, 10.0, 20.0, 40.0,
+    60.0, 80.0, 100.0, 200.0, 400.0,
+)
+#: TPOT bounds (s): SGLang's ``sglang:inter_token_latency_seconds`` defaults, so the
+#: per-mode TPOT reads on the same scale as SGLang's own.
+TPOT_BUCKETS_S = (
+    0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.025, 0.03, 0.035, 0.04, 0.06, 0.08,
+    0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 2.0, 4.0, 6.0, 8.0,
+)
 
 _FINISHED: Counter[tuple[str, str]] = Counter()  # (mode, priority) -> requests
+
+
+class _ModeHistogram:
+    """Cumulative-at-render histogram of one latency, one bucket list per mode label.
+
+    Kept as plain lists (not prometheus_client's ``Histogram``) so it is rendered by the
+    same collector as the engine series, without SGLang's multi-process value files.
+    """
+
+    def __init__(self, bounds: tuple[float, ...]):
+        self.bounds = bounds
+        self.counts: dict[str, list[int]] = {}
+        self.sums: dict[str, float] = {}
+
+    def observe(self, mode: str, value: float) -> None:
+        counts = self.counts.setdefault(mode, [0] * (len(self.bounds) + 1))
+        counts[bucket_index(value, self.bounds)] += 1
+        self.sums[mode] = self.sums.get(mode, 0.0) + value
+
+    def clear(self) -> None:
+        self.counts.clear()
+        self.sums.clear()
+
+
+_TTFT = _ModeHistogram(TTFT_BUCKETS_S)
+_TPOT = _ModeHistogram(TPOT_BUCKETS_S)
 
 
 def count_finished(mode: str, priority: int | None) -> None:
     _FINISHED[(mode, str(priority or 0))] += 1
 
 
+def mode_label(degree: int) -> str:
+    """``dp``, ``tp2``, ``tp4``...: the engine status documents' own mode names."""
+    return "dp" if degree <= 1 else f"tp{degree}"
+
+
+def observe_finished(degree: int, time_stats: Any, meta: dict) -> None:
+    """Record a finished request's TTFT and TPOT under the mode it ran in.
+
+    ``time_stats`` is SGLang's ``APIServerReqTimeStats`` of the request (created, first
+    token and finished times in the HTTP process, the same clock SGLang's own
+    ``sglang:time_to_first_token_seconds`` uses). As in SGLang, aborted requests are left
+    out (their decode is cut short), and TPOT needs at least two output tokens.
+    """
+    finish = meta.get("finish_reason")
+    kind = finish.get("type") if isinstance(finish, dict) else None
+    if kind not in ("stop", "length"):
+        return
+    mode = mode_label(degree)
+    if time_stats.first_token_time > 0.0:
+        _TTFT.observe(mode, max(0.0, time_stats.get_first_token_latency()))
+    tpot = time_stats.get_time_per_output_token(int(meta.get("completion_tokens") or 0))
+    if tpot is not None:
+        _TPOT.observe(mode, tpot)
+
+
+def _buckets(bounds: Sequence[float], counts: Sequence[int]) -> list[tuple[str, float]]:
+    """Prometheus' cumulative ``(le, count)`` pairs, +Inf last."""
+    out, total = [], 0
+    for le, n in zip([*map(str, bounds), "+Inf"], counts, strict=True):
+        total += n
+        out.append((le, total))
+    return out
+
+
 class FlyingCollector:
     """A prometheus_client collector over the engines' published status."""
 
-    def __init__(self, read_status):
+    def __init__(self, read_status: Callable[[], dict]):
         self.read_status = read_status  # () -> status.read_all(...) document
 
-    def collect(self):
+    def collect(self) -> Iterator[Any]:
         from prometheus_client.core import (
             CounterMetricFamily,
             GaugeMetricFamily,
@@ -49,6 +131,11 @@ class FlyingCollector:
                 ("tp_requests", "requests served in TP sessions"),
             )
         }
+        sessions = HistogramMetricFamily(
+            "flying_session_seconds",
+            "TP group session length (bind -> release) as each member engine saw it",
+            labels=["engine"],
+        )
         buckets = [0] * (len(SWITCH_BUCKETS_MS) + 1)
         total_ms = 0.0
         for e in doc.get("engines", []):
@@ -59,18 +146,19 @@ class FlyingCollector:
             for i, n in enumerate(e.get("switch_hist", [])):
                 buckets[i] += n
             total_ms += e.get("switch_ms_sum", 0.0)
+            session_hist = e.get("session_hist")
+            if session_hist and len(session_hist) == len(SESSION_BUCKETS_S) + 1:
+                sessions.add_metric(
+                    [rank], _buckets(SESSION_BUCKETS_S, session_hist), e.get("session_s_sum", 0.0)
+                )
         yield degree
         yield from counters.values()
-        cumulative, bounds = 0, []
-        for bound, n in zip([*map(str, (b / 1e3 for b in SWITCH_BUCKETS_MS)), "+Inf"], buckets,
-                            strict=True):
-            cumulative += n
-            bounds.append((bound, cumulative))
         hist = HistogramMetricFamily(
             "flying_switch_latency_seconds", "bind received -> first TP group step"
         )
-        hist.add_metric([], bounds, total_ms / 1e3)
+        hist.add_metric([], _buckets([b / 1e3 for b in SWITCH_BUCKETS_MS], buckets), total_ms / 1e3)
         yield hist
+        yield sessions
         requests = CounterMetricFamily(
             "flying_requests", "finished requests by where they ran and priority",
             labels=["mode", "priority"],
@@ -78,6 +166,14 @@ class FlyingCollector:
         for (mode, prio), n in sorted(_FINISHED.items()):
             requests.add_metric([mode, prio], n)
         yield requests
+        for name, help_, src in (
+            ("flying_ttft_seconds", "time to first token by mode (dp, tp2, tp4...)", _TTFT),
+            ("flying_tpot_seconds", "time per output token after the first, by mode", _TPOT),
+        ):
+            fam = HistogramMetricFamily(name, help_, labels=["mode"])
+            for mode, counts in sorted(src.counts.items()):
+                fam.add_metric([mode], _buckets(src.bounds, list(counts)), src.sums[mode])
+            yield fam
 
 
 class MetricsApp:
