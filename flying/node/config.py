@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 from dataclasses import asdict, dataclass, field, fields
 
 ENV_VAR = "FLYING_CONFIG"
@@ -19,6 +20,9 @@ ENV_VAR = "FLYING_CONFIG"
 PLATFORMS = ("auto", "cpu", "native")
 PREEMPT_MODES = ("hard", "soft")
 TRUST_MODES = ("trust", "ignore")
+#: A node name travels in an HTTP header: a short, plain token (host names, IPv6 in [ ]).
+NODE_NAME_MAX = 255
+_NODE_NAME = re.compile(r"[A-Za-z0-9._:\-\[\]]*")
 
 
 class ConfigError(ValueError):
@@ -70,6 +74,11 @@ class FlyingConfig:
     #: captured for DP would replay in group mode; attention backends are built with DP
     #: head counts), so without this flag a GPU node serves with groups off.
     experimental_cuda_groups: bool = False
+    #: This node's name in ``meta_info.flying.node`` and the ``X-Flying-Node`` response
+    #: header, so that a client behind a router (several nodes) sees which node served
+    #: it. Empty: the launcher fills in ``<host>:<port>`` (the machine's hostname for a
+    #: wildcard host).
+    node_name: str = ""
     #: Help texts, keyed by field name (not a setting).
     _help: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
 
@@ -106,6 +115,11 @@ class FlyingConfig:
             raise ConfigError(
                 "--flying-light-load and --flying-heavy-load need 0 <= light <= heavy, got "
                 f"{self.light_load} and {self.heavy_load}"
+            )
+        if len(self.node_name) > NODE_NAME_MAX or not _NODE_NAME.fullmatch(self.node_name):
+            raise ConfigError(
+                f"--flying-node-name must be at most {NODE_NAME_MAX} characters of letters, "
+                f"digits and . _ : - [ ] (it is sent as an HTTP header), got {self.node_name!r}"
             )
         return self
 
@@ -154,6 +168,7 @@ _HELP = {
     "client_priority": "trust: clients set priority (X-Priority, body priority); ignore: both dropped.",
     "client_tp": "trust: clients may force a TP group with X-Flying-TP; ignore: the header is dropped.",
     "priority_max_paused": "Most DP requests a priority group may pause (-1: no bound); beyond it: DP.",
+    "node_name": "Node name in meta_info.flying.node and the X-Flying-Node header (default <host>:<port>).",
 }
 
 

@@ -147,17 +147,20 @@ def guard_cuda_groups(
 def add_routes(num_engines: int, enable_metrics: bool = False) -> None:
     """Flying's HTTP endpoints, on SGLang's own FastAPI app: ``/flying/status``,
     ``/metrics`` with Flying's series only under SGLang's ``--enable-metrics`` (as SGLang
-    serves its own), and the header check (a bad Flying header or routing-key header is
-    a plain 400 on every endpoint, streaming ones included)."""
+    serves its own), the header check (a bad Flying header or routing-key header is
+    a plain 400 on every endpoint, streaming ones included) and the ``X-Flying-Node``
+    response header (which node served, behind a router)."""
     from fastapi.responses import JSONResponse
     from sglang.srt.entrypoints.http_server import app
 
     from flying.node import metrics
+    from flying.node.node_name import NodeHeader
     from flying.node.request_tags import HeaderCheck
     from flying.session import status
     from flying.substrate.comm_pool import hosted_store
 
     app.add_middleware(HeaderCheck)
+    app.add_middleware(NodeHeader)  # outermost: a 400 from HeaderCheck names the node too
 
     def read_status() -> dict:
         store = hosted_store()
@@ -265,6 +268,12 @@ def main(argv: list[str] | None = None) -> None:
     from sglang.srt.utils import kill_process_tree
 
     server_args = prepare_server_args(sglang_argv)
+    from flying.node.node_name import with_node_name
+
+    # Named before SGLang starts any process: every process reports the same name.
+    cfg = with_node_name(cfg, server_args.host, server_args.port)
+    flying_config.publish(cfg, replace=True)
+    logger.info("Flying node name: %s", cfg.node_name)
     add_routes(server_args.dp_size, bool(getattr(server_args, "enable_metrics", False)))
     print(_banner(server_args), flush=True)
     try:

@@ -322,12 +322,15 @@ def request_ended(obj) -> None:
 
 def placement(degree: int, dp_rank: int | None, reason: str = "") -> dict | None:
     """``meta_info["flying"]``: the mode, the degree, the engine ranks (and why a request
-    ran in DP when something asked for a group)."""
+    ran in DP when something asked for a group), and the node's name (behind a router)."""
     if dp_rank is None:
         return None
     if degree <= 1:
         info = {"mode": "dp", "degree": 1, "ranks": [dp_rank]}
         if reason:
             info["reason"] = reason
-        return info
-    return {"mode": "tp", "degree": degree, "ranks": list(range(dp_rank, dp_rank + degree))}
+    else:
+        info = {"mode": "tp", "degree": degree, "ranks": list(range(dp_rank, dp_rank + degree))}
+    if node := get_config().node_name:
+        info["node"] = node
+    return info

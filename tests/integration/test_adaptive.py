@@ -26,5 +26,7 @@ def adaptive_server(demo_model_dir, tmp_path_factory):
 def test_light_load_request_runs_in_a_tp_group(adaptive_server, demo_model_dir):
     for ids in prompts(2, 9, seed=21):
         body = adaptive_server.generate_ids(ids, 10)
-        assert body["meta_info"]["flying"] == {"mode": "tp", "degree": 2, "ranks": [0, 1]}
+        assert body["meta_info"]["flying"] == {
+            "mode": "tp", "degree": 2, "ranks": [0, 1], "node": f"127.0.0.1:{adaptive_server.port}"
+        }
         assert body["output_ids"] == greedy_tokens(demo_model_dir, ids, 10)

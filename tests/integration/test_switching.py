@@ -63,7 +63,9 @@ def test_tp2_tokens_equal_dp_and_transformers(dp2_server, demo_model_dir):
     for ids in prompts(3, 11, seed=3):
         tp = _generate(dp2_server, ids, 16, headers=TP2)
         dp = _generate(dp2_server, ids, 16)
-        assert tp["meta_info"]["flying"] == {"mode": "tp", "degree": 2, "ranks": [0, 1]}
+        assert tp["meta_info"]["flying"] == {
+            "mode": "tp", "degree": 2, "ranks": [0, 1], "node": f"127.0.0.1:{dp2_server.port}"
+        }
         assert dp["meta_info"]["flying"]["mode"] == "dp"
         assert tp["output_ids"] == dp["output_ids"] == greedy_tokens(demo_model_dir, ids, 16)
 
