@@ -1,16 +1,22 @@
 """Replay of recorded traces, scaled to the machine at hand.
 
-Production traces (the Azure 2023 conversation and code traces in /work/shared/traces, Vidur's
-processed form: ``arrived_at,num_prefill_tokens,num_decode_tokens``) carry the real arrival
-pattern and length mix, but their rates and lengths target large GPU clusters. Replay keeps the
-pattern and rescales: inter-arrival gaps are multiplied by one factor (or chosen to hit a mean
-rate), lengths are multiplied and clamped. The files are read in place, never copied.
+Production traces (the Azure 2023 conversation and code traces, in Vidur's processed form:
+``arrived_at,num_prefill_tokens,num_decode_tokens``; see ``PUBLIC_TRACES``) carry the real
+arrival pattern and length mix, but their rates and lengths target large GPU clusters. Replay
+keeps the pattern and rescales: inter-arrival gaps are multiplied by one factor (or chosen to
+hit a mean rate), lengths are multiplied and clamped.
+
+The traces are not part of the repository (their owners publish them; we do not re-host them).
+Named trace files are looked up in the directory given by ``--traces-dir`` or the
+``FLYING_TRACES_DIR`` environment variable, else ``~/.cache/flying/traces``; files shipped in
+``workloads/traces/`` (a small synthetic sample) are found without either.
 """
 
 from __future__ import annotations
 
 import csv
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,9 +30,76 @@ from workloads.trace import (
     pick_fraction,
 )
 
-SHARED_TRACES = Path("/work/shared/traces")
-AZURE_CONV = SHARED_TRACES / "azure_conv_2023.csv"
-AZURE_CODE = SHARED_TRACES / "azure_code_2023.csv"
+#: Environment variable naming the directory that holds trace files.
+TRACES_ENV = "FLYING_TRACES_DIR"
+#: Where trace files are looked up when neither the flag nor the variable is set.
+DEFAULT_TRACES_DIR = Path.home() / ".cache" / "flying" / "traces"
+#: Trace files shipped with the package (small, synthetic; see its README.md).
+BUNDLED_TRACES_DIR = Path(__file__).parent / "traces"
+
+AZURE_CONV = "azure_conv_2023.csv"
+AZURE_CODE = "azure_code_2023.csv"
+SAMPLE = "sample_trace.csv"
+
+
+@dataclass(frozen=True)
+class PublicTrace:
+    """Where a named public trace comes from, so a missing file says how to get it."""
+
+    description: str
+    source: str
+    licence: str
+
+
+_VIDUR_FORM = (
+    "Vidur's processed form (github.com/microsoft/vidur, data/processed_traces/; MIT licence) "
+    "of the Azure LLM inference trace 2023 (github.com/Azure/AzurePublicDataset, "
+    "AzureLLMInferenceDataset2023.md; data licence CC-BY 4.0, cite Patel et al., Splitwise, "
+    "ISCA 2024)"
+)
+PUBLIC_TRACES: dict[str, PublicTrace] = {
+    AZURE_CONV: PublicTrace(
+        "Azure conversation service, 2023: 19,366 requests over ~1 h",
+        _VIDUR_FORM, "CC-BY 4.0 (data), MIT (Vidur's processing)",
+    ),
+    AZURE_CODE: PublicTrace(
+        "Azure code-completion service, 2023: 8,819 requests over ~1 h",
+        _VIDUR_FORM, "CC-BY 4.0 (data), MIT (Vidur's processing)",
+    ),
+}
+
+
+def traces_dir(override: str | Path | None = None) -> Path:
+    """The trace directory: ``override`` (a flag), else ``$FLYING_TRACES_DIR``, else the default."""
+    if override:
+        return Path(override).expanduser()
+    env = os.environ.get(TRACES_ENV)
+    return Path(env).expanduser() if env else DEFAULT_TRACES_DIR
+
+
+def trace_path(name: str, directory: str | Path | None = None) -> Path:
+    """The file of trace ``name`` (a file name, or a path used as given when it exists).
+
+    Looked up in ``traces_dir(directory)`` first, then among the bundled traces; a missing
+    public trace raises FileNotFoundError that names its source and the ways to point at it.
+    """
+    given = Path(name).expanduser()
+    if given.is_absolute() or given.parent != Path("."):
+        if given.is_file():
+            return given
+        raise FileNotFoundError(f"trace file {given} does not exist")
+    for folder in (traces_dir(directory), BUNDLED_TRACES_DIR):
+        if (folder / name).is_file():
+            return folder / name
+    hint = ""
+    if name in PUBLIC_TRACES:
+        info = PUBLIC_TRACES[name]
+        hint = f" It is {info.description}, from {info.source}."
+    raise FileNotFoundError(
+        f"trace {name!r} not found in {traces_dir(directory)} (or the bundled "
+        f"{BUNDLED_TRACES_DIR}).{hint} Put the file there, or point --traces-dir or "
+        f"${TRACES_ENV} at the directory that holds it."
+    )
 
 
 @dataclass(frozen=True)
@@ -140,9 +213,12 @@ def replay_trace(
     with_input_ids: bool = True,
     token_id_range: tuple[int, int] = DEFAULT_TOKEN_ID_RANGE,
 ) -> list[TraceRequest]:
-    """A trace replaying ``path`` (CSV or JSONL) rescaled by ``options``; arrivals start at 0."""
+    """A trace replaying ``path`` (CSV or JSONL) rescaled by ``options``; arrivals start at 0.
+
+    A bare file name is resolved with ``trace_path`` (trace directory, then bundled traces).
+    """
     options = options or ReplayOptions()
-    rows = select_window(read_rows(path), options)
+    rows = select_window(read_rows(trace_path(str(path))), options)
     arrivals = [r[0] for r in rows]
     factor = gap_factor(arrivals, options)
     origin = arrivals[0] if arrivals else 0.0
