@@ -8,7 +8,8 @@ run always yields one record per trace request.
 CLI::
 
     python -m workloads.client --url http://127.0.0.1:30000 --preset cpu-small \\
-        [--trace file.jsonl] [--backend generate|openai] --out results.jsonl
+        [--trace file.jsonl] [--arrival gamma --rate 2 --burstiness 0.5] \\
+        [--goodput ttft:100 tpot:20] [--backend generate|openai] --out results.jsonl
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from tqdm import tqdm
 
 from workloads import stream
 from workloads.records import RequestRecord, save_records
-from workloads.trace import DEFAULT_TOKEN_ID_RANGE, TraceRequest, load_trace, token_ids_for
+from workloads.trace import DEFAULT_TOKEN_ID_RANGE, TraceRequest, token_ids_for
 
 BACKENDS = ("generate", "openai")
 ENDPOINTS = {"generate": "/generate", "openai": "/v1/completions"}
@@ -234,17 +235,15 @@ def _run(coro: Any) -> Any:
 
 def main(argv: list[str] | None = None) -> None:
     """CLI: send a preset or trace file, write records, print the summary table."""
+    from workloads.cli import add_goodput_args, add_trace_args, slos_from_args, trace_from_args
     from workloads.metrics import render_markdown, summarize
-    from workloads.presets import PRESETS, build_preset
 
     parser = argparse.ArgumentParser(description="Open-loop streaming benchmark client.")
     parser.add_argument("--url", default="http://127.0.0.1:30000")
-    parser.add_argument("--preset", default="cpu-small", choices=sorted(PRESETS))
-    parser.add_argument("--trace", help="JSONL trace file (overrides --preset)")
-    parser.add_argument("--seed", type=int, default=0, help="trace and prompt-token seed")
+    add_trace_args(parser)
+    add_goodput_args(parser)
     parser.add_argument("--backend", default="generate", choices=BACKENDS)
     parser.add_argument("--model", default="default", help="model name for the openai backend")
-    parser.add_argument("--limit", type=int, help="send only the first N requests")
     parser.add_argument("--request-timeout", type=float, default=600.0, help="seconds")
     parser.add_argument("--timeout", type=float, default=3600.0, help="overall seconds")
     parser.add_argument("--out", default="results.jsonl", help="per-request JSONL records")
@@ -253,9 +252,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
 
-    trace = load_trace(args.trace) if args.trace else build_preset(args.preset, args.seed)
-    if args.limit is not None:
-        trace = trace[: args.limit]
+    trace, _source = trace_from_args(args)
     records = _run(
         run_trace(
             trace,
@@ -269,7 +266,7 @@ def main(argv: list[str] | None = None) -> None:
         )
     )
     save_records(records, args.out)
-    summary = summarize(records)
+    summary = summarize(records, slos=slos_from_args(args))
     if args.summary_out:
         with open(args.summary_out, "w", encoding="utf-8") as f:
             json.dump(summary, f, indent=2)

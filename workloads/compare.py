@@ -15,6 +15,7 @@ plots is written. Runs:
 CLI::
 
     python -m workloads.compare --preset cpu-small [--runs static-dp,flying] [--limit 20] \\
+        [--arrival gamma --rate 2 --burstiness 0.5] [--goodput ttft:100 tpot:20] \\
         [--model-path DIR] [--engines 2] [--flying-args "..."] [--server-args "..."] [--out DIR]
         (every run gets --enable-metrics so responses carry server queue times)
     python -m workloads.compare --report-only DIR   # rebuild report.md from saved runs
@@ -34,9 +35,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from workloads.cli import add_goodput_args, add_trace_args, slos_from_args, trace_from_args
 from workloads.client import run_trace
-from workloads.metrics import summarize
-from workloads.presets import PRESETS, build_preset
+from workloads.metrics import DEFAULT_SLOS, summarize
 from workloads.report import (
     RUN_NAMES,
     RunResult,
@@ -47,7 +48,7 @@ from workloads.report import (
     write_report,
 )
 from workloads.server import STARTUP_TIMEOUT_S, ServerFailed, free_port, start_server
-from workloads.trace import TraceRequest, load_trace
+from workloads.trace import TraceRequest
 
 #: SGLang puts ``queue_time`` into a response's meta_info only with metrics enabled; every run
 #: gets it, so the (small) cost of collecting metrics is the same for all systems.
@@ -105,6 +106,7 @@ def run_one(
     timeout_s: float,
     retries: int = 2,
     startup_timeout_s: float = STARTUP_TIMEOUT_S,
+    slos: dict[str, float] | None = None,
 ) -> RunResult:
     """Start the server, replay the trace, stop the server; failures end up in the result."""
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -132,7 +134,7 @@ def run_one(
                           progress=sys.stderr.isatty())
             )
             result.replay_s = time.monotonic() - start
-            result.summary = summarize(result.records)
+            result.summary = summarize(result.records, slos=slos)
             ok = sum(r.success for r in result.records)
             log(f"{name}: done: {ok}/{len(result.records)} ok in {result.replay_s:.1f} s")
             if server.proc.poll() is not None:
@@ -148,14 +150,7 @@ def run_one(
 
 def build_trace(args: argparse.Namespace) -> tuple[list[TraceRequest], dict[str, Any]]:
     """The trace to replay and its description for the report."""
-    if args.trace:
-        trace, source = load_trace(args.trace), f"file {args.trace}"
-    else:
-        trace = build_preset(args.preset, args.seed)
-        source = f"preset `{args.preset}` (seed {args.seed}): {PRESETS[args.preset].description}"
-    if args.limit is not None:
-        trace = trace[: args.limit]
-        source += f"; first {args.limit} requests only (--limit)"
+    trace, source = trace_from_args(args)
     return trace, {"source": source, **describe_trace(trace)}
 
 
@@ -163,10 +158,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-path", help="checkpoint directory (default: the demo model)")
     parser.add_argument("--engines", type=int, default=2, help="N: dp size / tp size")
-    parser.add_argument("--preset", default="cpu-small", choices=sorted(PRESETS))
-    parser.add_argument("--trace", help="JSONL trace file (overrides --preset)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--limit", type=int, help="replay only the first N requests")
+    add_trace_args(parser)
+    add_goodput_args(parser)
     parser.add_argument("--runs", default=",".join(RUN_NAMES),
                         help=f"comma list out of {','.join(RUN_NAMES)}")
     parser.add_argument("--flying-args", default="", help="extra flags for the flying run")
@@ -215,7 +208,8 @@ def merge_context(path: Path, context: dict[str, Any]) -> dict[str, Any]:
 def rebuild_report(out: Path) -> Path:
     """Re-render ``report.md`` from ``context.json`` and the saved runs in ``out``."""
     context = json.loads((out / "context.json").read_text())
-    runs = [load_run(out / name) for name in RUN_NAMES if (out / name / "run.json").is_file()]
+    slos = context.get("goodput_slos_ms", DEFAULT_SLOS)
+    runs = [load_run(out / name, slos) for name in RUN_NAMES if (out / name / "run.json").is_file()]
     return write_report(runs, out, context)
 
 
@@ -245,6 +239,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "started": f"{datetime.now():%Y-%m-%d %H:%M:%S}",
         "machine": {**machine_facts(), "model": model_path, "engines (N)": args.engines},
         "trace": trace_facts,
+        "goodput_slos_ms": slos_from_args(args),
     }
     context = merge_context(out / "context.json", context)
     (out / "context.json").write_text(json.dumps(context, indent=2) + "\n")
@@ -258,7 +253,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         launch = run_args(name, model_path, args.engines, server_args, flying_args)
         port = args.port or free_port()
         results.append(run_one(name, launch, trace, out / name, port, args.seed, args.timeout,
-                               startup_timeout_s=args.startup_timeout))
+                               startup_timeout_s=args.startup_timeout,
+                               slos=context["goodput_slos_ms"]))
     path = rebuild_report(out)  # includes runs saved earlier into the same directory
     log(f"report: {path}")
     for run in results:

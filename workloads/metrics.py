@@ -11,13 +11,21 @@ Throughput definitions, chosen to be unambiguous:
   each output token falls in the bucket of its arrival time (rebuilt from TTFT + ITLs); the
   peak is the largest bucket count divided by the bucket length. Fixed buckets, not a sliding
   window, so the number is easy to recompute by hand.
+
+TPOT is ``(e2e - ttft) / (output tokens - 1)`` and percentiles are numpy's, as in SGLang's
+``calculate_metrics``. Goodput is SGLang's own (``sglang.benchmark.goodput``, the function
+behind ``python -m sglang.benchmark.serving --goodput ttft:MS tpot:MS``): a request is good
+when it succeeded and met every SLO; request goodput = good requests / makespan, SLO
+attainment = good requests / requests. Our summaries add what SGLang's lacks: the same
+numbers per phase, priority class and Flying mode.
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -25,6 +33,46 @@ import numpy as np
 from workloads.records import RequestRecord
 
 Summary = dict[str, Any]
+
+#: Goodput SLOs (ms) used when none are given: sized to the CPU demo model, where a lightly
+#: loaded engine answers in ~30 ms and decodes a token in ~5 ms, so a request misses them
+#: only when it queued or decoded in a crowded batch (override with ``--goodput``).
+DEFAULT_SLOS: dict[str, float] = {"ttft": 100.0, "tpot": 20.0}
+
+
+def parse_slos(pairs: Sequence[str]) -> dict[str, float]:
+    """``["ttft:100", "tpot:20"]`` -> ``{"ttft": 100.0, "tpot": 20.0}`` (SGLang's --goodput form)."""
+    slos: dict[str, float] = {}
+    for pair in pairs:
+        name, sep, value = pair.partition(":")
+        if not sep or name not in ("ttft", "tpot", "e2el"):
+            raise ValueError(f"bad SLO {pair!r}: use KEY:MS with KEY ttft, tpot or e2el")
+        slos[name] = float(value)
+        if not slos[name] > 0:
+            raise ValueError(f"bad SLO {pair!r}: the value must be > 0 ms")
+    return slos
+
+
+def goodput_stats(
+    records: Sequence[RequestRecord], slos: Mapping[str, float], dur_s: float
+) -> Summary | None:
+    """SGLang's goodput of ``records`` over ``dur_s`` seconds, as a dict (None when empty).
+
+    SGLang's function reads ``success``, ``ttft``, ``latency`` (s) and ``output_len``
+    (tokens received) of its request outputs; each record is handed over in that shape.
+    """
+    if not records or not slos or dur_s <= 0:
+        return None
+    import msgspec
+    from sglang.benchmark.goodput import calculate_goodput
+
+    outputs = [
+        SimpleNamespace(success=r.success, ttft=r.ttft_s or 0.0, latency=r.e2e_s or 0.0,
+                        output_len=r.output_tokens)
+        for r in records
+    ]
+    result = calculate_goodput(outputs=outputs, goodput_slos=dict(slos), dur_s=dur_s)  # type: ignore[arg-type]
+    return msgspec.structs.asdict(result)
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -100,17 +148,32 @@ def flying_mode(rec: RequestRecord) -> str | None:
     return None if mode is None else str(mode)
 
 
-def summarize(records: Sequence[RequestRecord], bucket_s: float = 1.0) -> Summary:
-    """Everything the reports need: overall, per phase, per priority, per Flying mode."""
+def summarize(
+    records: Sequence[RequestRecord],
+    bucket_s: float = 1.0,
+    slos: Mapping[str, float] | None = DEFAULT_SLOS,
+) -> Summary:
+    """Everything the reports need: overall, per phase, per priority, per Flying mode.
+
+    With ``slos`` (ms; None or empty for none) every group also gets SGLang's goodput, over
+    the whole run's makespan so that the groups' request goodputs add up.
+    """
     errors = Counter(r.error for r in records if not r.success and r.error)
+    throughput = throughput_stats(records, bucket_s)
+    makespan = throughput["makespan_s"]
+
+    def stats(group: Sequence[RequestRecord]) -> Summary:
+        out = latency_stats(group)
+        if slos:
+            out["goodput"] = goodput_stats(group, slos, makespan)
+        return out
+
     return {
-        "overall": latency_stats(records),
-        "by_phase": {k: latency_stats(v) for k, v in _group(records, lambda r: r.phase).items()},
-        "by_priority": {
-            k: latency_stats(v) for k, v in _group(records, lambda r: r.priority).items()
-        },
-        "by_mode": {k: latency_stats(v) for k, v in _group(records, flying_mode).items()},
-        "throughput": throughput_stats(records, bucket_s),
+        "overall": stats(records),
+        "by_phase": {k: stats(v) for k, v in _group(records, lambda r: r.phase).items()},
+        "by_priority": {k: stats(v) for k, v in _group(records, lambda r: r.priority).items()},
+        "by_mode": {k: stats(v) for k, v in _group(records, flying_mode).items()},
+        "throughput": throughput,
         "modes": dict(Counter(m for r in records if (m := flying_mode(r)) is not None)),
         "errors": dict(errors.most_common(5)),
     }
@@ -140,7 +203,7 @@ _COLUMNS = (
 def render_markdown(summary: Summary, title: str | None = None) -> str:
     """Markdown tables: latencies (ms) per group, then throughput and error counts."""
     lines = [f"### {title}", ""] if title else []
-    header = ["group", "n", "ok"] + [name for name, _, _ in _COLUMNS]
+    header = ["group", "n", "ok"] + [name for name, _, _ in _COLUMNS] + ["SLO att. %"]
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     rows: list[tuple[str, Summary]] = [("all", summary["overall"])]
     for section, prefix in (
@@ -152,6 +215,8 @@ def render_markdown(summary: Summary, title: str | None = None) -> str:
     for name, stats in rows:
         cells = [name, _fmt(stats["count"]), _fmt(stats["completed"])]
         cells += [_fmt(stats[metric][field]) for _, metric, field in _COLUMNS]
+        good = stats.get("goodput")
+        cells.append(_fmt(good["slo_attainment"] * 100.0) if good else "-")
         lines.append("| " + " | ".join(cells) + " |")
     tp = summary["throughput"]
     lines += [
@@ -161,6 +226,14 @@ def render_markdown(summary: Summary, title: str | None = None) -> str:
         f" | peak output {_fmt(tp['peak_output_throughput'])} tok/s (1 s buckets)"
         f" | max send lag {_fmt(tp['max_send_lag_ms'])} ms",
     ]
+    good = summary["overall"].get("goodput")
+    if good:
+        slos = ", ".join(f"{k} <= {v:g} ms" for k, v in good["goodput_slos_ms"].items())
+        per = ", ".join(f"{k} {v * 100:.1f}%" for k, v in good["slo_attainment_by_metric"].items())
+        lines.append(
+            f"goodput ({slos}): {_fmt(good['request_goodput'], 2)} req/s, SLO attainment "
+            f"{good['slo_attainment'] * 100:.1f}% ({per})"
+        )
     if summary.get("modes"):
         lines.append("modes: " + ", ".join(f"{k}={v}" for k, v in summary["modes"].items()))
     if summary.get("errors"):
@@ -195,6 +268,8 @@ HEADLINE = (
     "overall.e2e_ms.p90",
     "throughput.output_throughput",
     "throughput.peak_output_throughput",
+    "overall.goodput.request_goodput",
+    "overall.goodput.slo_attainment",
 )
 
 

@@ -10,6 +10,11 @@ The ``cpu-*`` presets shrink the same shape to a 2-core CPU serving the tiny dem
 roughly 20 (prompts) and 10 (outputs), rates by roughly 7, and phases are 15 s, so 80 requests
 arrive within ~50 s and a run including the drain takes 2-3 minutes.
 
+The standard load shapes (``cpu-poisson``, ``cpu-gamma``, ``cpu-constant``, ``cpu-ramp``;
+definitions in ``workloads.arrivals``) keep cpu-small's lengths and its mean rate of ~1.5
+req/s, so they differ from it and from each other only in how requests arrive. The
+``*-three-peak`` presets are the paper's low/burst shape cut to exactly three bursts.
+
 CLI: ``python -m workloads.presets --list`` or
 ``python -m workloads.presets --preset cpu-small --seed 0 --out trace.jsonl``.
 """
@@ -20,7 +25,8 @@ import argparse
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from workloads.replay import AZURE_CODE, AZURE_CONV, ReplayOptions, replay_trace
+from workloads.arrivals import ArrivalProcess, retime
+from workloads.replay import AZURE_CODE, AZURE_CONV, SAMPLE, ReplayOptions, replay_trace
 from workloads.trace import BurstyConfig, TraceRequest, generate_bursty, save_trace
 
 
@@ -93,8 +99,32 @@ AZURE_CPU = ReplayOptions(
 )
 
 
+# Three peaks: low, burst, low, burst, low, burst, low. The paper's rates and lengths with its
+# 60 s phases (~4,400 requests over 420 s), and a CPU variant with cpu-small's lengths and
+# rates in 10 s phases (~110 requests over 70 s: a run of a minute or two).
+PAPER_THREE_PEAK = replace(PAPER, num_requests=10_000, num_bursts=3)
+CPU_THREE_PEAK = replace(
+    CPU_SMALL, num_requests=1000, low_duration_s=10.0, burst_duration_s=10.0, num_bursts=3
+)
+
+# Standard shapes at cpu-small's budget: 80 requests, mean 1.5 req/s. Gamma burstiness 0.25
+# (gap coefficient of variation 2) is a clearly bursty client; the ramp goes from a quarter
+# to about three times the mean rate.
+CPU_SHAPES = {
+    "cpu-poisson": ArrivalProcess("poisson", CPU_SMALL_RATE),
+    "cpu-gamma": ArrivalProcess("gamma", CPU_SMALL_RATE, burstiness=0.25),
+    "cpu-constant": ArrivalProcess("constant", CPU_SMALL_RATE),
+    "cpu-ramp": ArrivalProcess("ramp", 0.4, end_rate=4.0),
+}
+
+
 def _bursty(config: BurstyConfig) -> Callable[[int], list[TraceRequest]]:
     return lambda seed: generate_bursty(config, seed)
+
+
+def _shaped(process: ArrivalProcess) -> Callable[[int], list[TraceRequest]]:
+    """cpu-small's requests (lengths, ids) arriving by ``process``."""
+    return lambda seed: retime(generate_bursty(CPU_SMALL, seed), process, seed)
 
 
 PRESETS: dict[str, Preset] = {
@@ -128,6 +158,25 @@ PRESETS: dict[str, Preset] = {
                 CPU_SMALL, long_fraction=CPU_LONG_FRACTION, long_prompt_range=CPU_LONG_PROMPT_RANGE
             )
         ),
+    ),
+    **{
+        name: Preset(f"cpu-small's 80 requests, arrivals {process.describe()}", _shaped(process))
+        for name, process in CPU_SHAPES.items()
+    },
+    "paper-three-peak": Preset(
+        "Paper workload cut to three 60 s bursts (10-30 req/s) between four 60 s low phases "
+        "(2-5 req/s): ~4,400 req over 420 s",
+        _bursty(PAPER_THREE_PEAK),
+    ),
+    "cpu-three-peak": Preset(
+        "cpu-small's lengths and rates, three 10 s bursts (2-4 req/s) between four 10 s low "
+        "phases (0.3-0.6 req/s): ~110 req over 70 s",
+        _bursty(CPU_THREE_PEAK),
+    ),
+    "sample-cpu": Preset(
+        "The bundled synthetic sample trace (workloads/traces/sample_trace.csv), first 80 req, "
+        "scaled like azure-conv-cpu",
+        lambda seed: replay_trace(SAMPLE, AZURE_CPU, seed),
     ),
     "azure-conv-cpu": Preset(
         "First 80 req of Azure conv 2023, lengths x192/4000 -> [16,192] and x48/512 -> [8,48], "

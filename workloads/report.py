@@ -11,12 +11,18 @@ import dataclasses
 import json
 import os
 import platform
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from workloads.metrics import Summary, render_comparison, render_markdown, summarize
+from workloads.metrics import (
+    DEFAULT_SLOS,
+    Summary,
+    render_comparison,
+    render_markdown,
+    summarize,
+)
 from workloads.plots import PLOTS, plot_runs
 from workloads.records import RequestRecord, load_records, save_records
 from workloads.trace import TraceRequest
@@ -28,6 +34,8 @@ RUN_NAMES = ("static-dp", "static-tp", "flying")
 RATIOS = (("flying", "static-dp"), ("flying", "static-tp"))
 
 THROUGHPUT_KEYS = (
+    "overall.goodput.request_goodput",
+    "overall.goodput.slo_attainment",
     "throughput.output_throughput",
     "throughput.peak_output_throughput",
     "throughput.request_throughput",
@@ -79,15 +87,16 @@ def save_run(run: RunResult, run_dir: str | Path) -> None:
         (path / "summary.json").write_text(json.dumps(run.summary, indent=2) + "\n")
 
 
-def load_run(run_dir: str | Path) -> RunResult:
-    """Read what ``save_run`` wrote; the summary is recomputed so old results get new fields."""
+def load_run(run_dir: str | Path, slos: Mapping[str, float] | None = DEFAULT_SLOS) -> RunResult:
+    """Read what ``save_run`` wrote; the summary is recomputed (with goodput under ``slos``)
+    so old results get new fields."""
     path = Path(run_dir)
     meta = json.loads((path / "run.json").read_text())
     known = {f.name for f in dataclasses.fields(RunResult)}
     run = RunResult(**{k: v for k, v in meta.items() if k in known})
     records_file = path / "records.jsonl"
     run.records = load_records(records_file) if records_file.is_file() else []
-    run.summary = summarize(run.records) if run.records else None
+    run.summary = summarize(run.records, slos=slos) if run.records else None
     return run
 
 
@@ -195,7 +204,7 @@ def _ratio_section(by_name: dict[str, RunResult]) -> list[str]:
         if not (a and b and a.ok() and b.ok() and a.summary and b.summary):
             lines.append(f"Not available: needs successful `{num}` and `{den}` runs.")
             continue
-        lines += ["Throughput (higher is better for the first three):", ""]
+        lines += ["Throughput (goodput, SLO attainment and throughputs: higher is better; makespan: lower):", ""]
         lines.append(render_comparison(a.summary, b.summary, (num, den), THROUGHPUT_KEYS))
         lines += ["", "Latency (lower is better):", ""]
         lines.append(render_comparison(a.summary, b.summary, (num, den), LATENCY_KEYS))

@@ -44,7 +44,9 @@ class BurstyConfig:
 
     Ranges are inclusive. Arrivals alternate between a low phase and a burst phase, each
     lasting a fixed duration; every phase draws its own rate uniformly from its range and
-    arrivals inside it are Poisson (exponential gaps).
+    arrivals inside it are Poisson (exponential gaps). With ``num_bursts`` the trace ends
+    with the low phase after that many bursts (``num_requests`` is then an upper bound), so
+    a trace has a fixed number of peaks whatever the rates draw.
     """
 
     num_requests: int
@@ -60,6 +62,7 @@ class BurstyConfig:
     long_prompt_range: tuple[int, int] | None = None
     token_id_range: tuple[int, int] = DEFAULT_TOKEN_ID_RANGE
     with_input_ids: bool = True
+    num_bursts: int | None = None
 
 
 def _streams(seed: int) -> list[np.random.Generator]:
@@ -79,7 +82,10 @@ def bursty_arrivals(config: BurstyConfig, rng: np.random.Generator) -> list[tupl
     arrivals: list[tuple[float, str]] = []
     phase = config.start_phase
     phase_start = 0.0
+    bursts = 0
     while len(arrivals) < config.num_requests:
+        if config.num_bursts is not None and bursts == config.num_bursts and phase == "burst":
+            break
         rate_range = config.low_rate_range if phase == "low" else config.burst_rate_range
         duration = config.low_duration_s if phase == "low" else config.burst_duration_s
         if duration <= 0:
@@ -93,6 +99,7 @@ def bursty_arrivals(config: BurstyConfig, rng: np.random.Generator) -> list[tupl
                 break
             arrivals.append((t, phase))
         phase_start = phase_end
+        bursts += phase == "burst"
         phase = "burst" if phase == "low" else "low"
     return arrivals
 
