@@ -148,8 +148,9 @@ def add_routes(num_engines: int, enable_metrics: bool = False) -> None:
     """Flying's HTTP endpoints, on SGLang's own FastAPI app: ``/flying/status``,
     ``/metrics`` with Flying's series only under SGLang's ``--enable-metrics`` (as SGLang
     serves its own), the header check (a bad Flying header or routing-key header is
-    a plain 400 on every endpoint, streaming ones included) and the ``X-Flying-Node``
-    response header (which node served, behind a router)."""
+    a plain 400 on every endpoint, streaming ones included), the ``X-Flying-Node``
+    response header (which node served, behind a router) and ``/get_load`` (the node's
+    load with group sessions counted, as sglang-router polls it)."""
     from fastapi.responses import JSONResponse
     from sglang.srt.entrypoints.http_server import app
 
@@ -176,6 +177,9 @@ def add_routes(num_engines: int, enable_metrics: bool = False) -> None:
         return JSONResponse(doc)
 
     app.add_api_route("/flying/status", flying_status, methods=["GET"])
+    from flying.node import load
+
+    load.mount(app, read_status, num_engines)  # the router's power_of_two reads it
     if enable_metrics:
         metrics.mount(app, read_status)
     from flying.session import faults
