@@ -54,7 +54,9 @@ class Target:
 
     ``kind``: ``raw`` (the series as they are), ``sum`` (gauge summed by ``by``), ``rate``
     (counter rate summed by ``by``), ``quantile`` (``histogram_quantile(q)`` over bucket
-    rates summed by ``le`` and ``by``), ``count_values`` (engines per gauge value).
+    rates summed by ``le`` and ``by``), ``count`` (how many series compare true with
+    ``cmp``, e.g. ``"> 1"``: ``sum(x > bool 1)``, which is 0 rather than absent when none
+    does, so a line never breaks).
     """
 
     kind: str
@@ -63,6 +65,7 @@ class Target:
     by: tuple[str, ...] = ()
     q: float = 0.0
     sglang: bool = False
+    cmp: str = ""
 
     def selector(self, name: str | None = None) -> str:
         filters = INSTANCE + (f", {MODEL}" if self.sglang else "")
@@ -80,8 +83,9 @@ class Target:
             le_by = ", ".join(("le", *self.by))
             bucket = self.selector(self.metric + "_bucket")
             return f"histogram_quantile({self.q}, sum by ({le_by}) (rate({bucket}[{RATE}])))"
-        if self.kind == "count_values":
-            return f'count_values("value", {self.selector()})'
+        if self.kind == "count":
+            op, value = self.cmp.split()
+            return f"sum({self.selector()} {op} bool {value})"
         raise ValueError(f"unknown target kind {self.kind!r}")
 
     def series(self) -> list[str]:
@@ -89,8 +93,11 @@ class Target:
         return [self.metric + "_bucket"] if self.kind == "quantile" else [self.metric]
 
     def evaluate(self, scrapes: Sequence[Scrape], window_s: float) -> Lines:
-        """The expression on scraped samples; rates over the trailing ``window_s``."""
-        lines: dict[str, tuple[list[float], list[float]]] = defaultdict(lambda: ([], []))
+        """The expression on scraped samples; rates over the trailing ``window_s``. Every
+        line has a value (NaN where its series is absent, a gap in Grafana) at every
+        evaluated time."""
+        points: dict[str, dict[float, float]] = defaultdict(dict)
+        times: list[float] = []
         for i, (t, samples) in enumerate(scrapes):
             if self.kind in ("rate", "quantile"):
                 j = _window_start(scrapes, i, window_s)
@@ -99,19 +106,19 @@ class Target:
                 values = _rates(scrapes[j], scrapes[i], self.series()[0])
             else:
                 values = [(labels, v) for name, labels, v in samples if name == self.metric]
+            times.append(t)
             for legend, v in self._combine(values).items():
-                lines[legend][0].append(t)
-                lines[legend][1].append(v)
-        return dict(lines)
+                points[legend][t] = v
+        return {legend: (times, [vs.get(t, math.nan) for t in times])
+                for legend, vs in points.items()}
 
     def _combine(self, values: list[tuple[dict[str, str], float]]) -> dict[str, float]:
         if self.kind == "raw":
             return {_legend(self.legend, labels): v for labels, v in values}
-        if self.kind == "count_values":
-            counts: dict[str, float] = defaultdict(float)
-            for _labels, v in values:
-                counts[_legend(self.legend, {"value": f"{v:g}"})] += 1
-            return dict(counts)
+        if self.kind == "count":
+            op, value = self.cmp.split()
+            test = {"==": float.__eq__, ">": float.__gt__, "<": float.__lt__}[op]
+            return {self.legend: float(sum(test(v, float(value)) for _labels, v in values))}
         groups: dict[tuple, float] = defaultdict(float)
         keys = ("le", *self.by) if self.kind == "quantile" else self.by
         for labels, v in values:
@@ -149,10 +156,11 @@ PANELS: tuple[Panel, ...] = (
     Panel("Engine TP degree", "none",
           "Per engine: 1 = a DP replica, 2 / 4 = a member of a bound TP-2 / TP-4 group.",
           (Target("raw", "flying_engine_tp_degree", "engine {{engine}}"),), stepped=True),
-    Panel("Engines by degree", "none",
-          "How many engines run at each TP degree (1 = DP), stacked over the node.",
-          (Target("count_values", "flying_engine_tp_degree", "degree {{value}}"),), stepped=True,
-          stacked=True),
+    Panel("Engines by mode", "none",
+          "How many engines serve as DP replicas and how many are members of TP groups.",
+          (Target("count", "flying_engine_tp_degree", "DP engines", cmp="== 1"),
+           Target("count", "flying_engine_tp_degree", "engines in TP groups", cmp="> 1")),
+          stepped=True, stacked=True),
     Panel("Binds and releases", "ops",
           "Group binds and releases per second, counted once per member engine; aborted "
           "binds ran out of the bounded handshake.",
@@ -409,9 +417,16 @@ def render(scrapes: Sequence[Scrape], out: Path, window_s: float = 5.0, title: s
     rows = math.ceil(len(PANELS) / 2)
     fig, axes = plt.subplots(rows, 2, figsize=(15, 2.6 * rows), squeeze=False)
     for ax, panel in zip(axes.flat, PANELS, strict=False):
+        base: list[float] | None = None
         for target in panel.targets:
             for legend, (ts, vs) in sorted(target.evaluate(scrapes, window_s).items()):
                 style = {"drawstyle": "steps-post"} if panel.stepped else {}
+                if panel.stacked:  # Grafana's normal stacking: each line on the previous
+                    low = base or [0.0] * len(vs)
+                    vs = [lo + v for lo, v in zip(low, vs, strict=True)]
+                    ax.fill_between(ts, low, vs, step="post" if panel.stepped else None,
+                                    alpha=0.25)
+                    base = vs
                 ax.plot(ts, vs, label=legend, linewidth=1.2, **style)
         ax.set_title(panel.title, fontsize=10, loc="left")
         ax.set_ylabel({"none": "", "ops": "/s", "reqps": "req/s", "percentunit": "share"}
@@ -427,7 +442,7 @@ def render(scrapes: Sequence[Scrape], out: Path, window_s: float = 5.0, title: s
     for ax in axes[-1]:
         ax.set_xlabel("seconds since the first scrape", fontsize=8)
     fig.suptitle(title or "Flying dashboard panels", fontsize=11)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.985))
     fig.savefig(out, dpi=90)
     plt.close(fig)
 

@@ -138,5 +138,10 @@ def test_panels_evaluate_on_the_real_collectors_series():
     assert 0.5 < p50["p50"][1][0] <= 1.0
     degree = by_title["Engine TP degree"].targets[0].evaluate(scrapes, window_s=5.0)
     assert degree["engine 0"] == ([0.0, 1.0], [2.0, 2.0])
-    by_degree = by_title["Engines by degree"].targets[0].evaluate(scrapes, window_s=5.0)
-    assert by_degree == {"degree 2": ([0.0, 1.0], [2.0, 2.0])}
+    dp, tp = (t.evaluate(scrapes, window_s=5.0) for t in by_title["Engines by mode"].targets)
+    assert dp == {"DP engines": ([0.0, 1.0], [0.0, 0.0])}  # 0, not absent: no broken line
+    assert tp == {"engines in TP groups": ([0.0, 1.0], [2.0, 2.0])}
+    # a series absent from a scrape is a gap (NaN), as in Grafana
+    first_only = [scrapes[0], (1.0, [s for s in scrapes[1][1] if s[1].get("engine") != "1"])]
+    degree = by_title["Engine TP degree"].targets[0].evaluate(first_only, window_s=5.0)
+    assert degree["engine 1"][1][0] == 2.0 and math.isnan(degree["engine 1"][1][1])
