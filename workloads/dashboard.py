@@ -452,7 +452,6 @@ def run_workload(url: str, preset: str, seed: int, limit: int | None, every_s: f
     """Scrape ``url`` while the preset runs (open loop, the project's client), then
     ``tail_s`` more seconds so the rates fall back to zero on the plots."""
     from workloads.client import _run, run_trace
-    from workloads.metrics import summarize
     from workloads.presets import build_preset
 
     trace = build_preset(preset, seed)[:limit]
@@ -462,9 +461,9 @@ def run_workload(url: str, preset: str, seed: int, limit: int | None, every_s: f
     records = _run(run_trace(trace, url, seed=seed, progress=False))
     time.sleep(tail_s)
     scraper.stop()
-    summary = summarize(records)
-    return scraper.scrapes, {"requests": len(records), "scrape_errors": scraper.errors,
-                             "summary": summary}
+    return scraper.scrapes, {"requests": len(records),
+                             "failed": sum(not r.success for r in records),
+                             "scrape_errors": scraper.errors}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -506,7 +505,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         if server is not None:
             server.stop()
-    print(json.dumps({k: v for k, v in info.items() if k != "summary"}), flush=True)
+    print(json.dumps(info), flush=True)
     if args.scrapes_out:
         save_scrapes(scrapes, args.scrapes_out)
     render(scrapes, args.out, args.window, title)
