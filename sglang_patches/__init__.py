@@ -68,13 +68,25 @@ PATCHES: tuple[Patch, ...] = (
         "sglang.srt.managers.scheduler.Scheduler.process_input_requests",
         "around",
         "sglang_patches.scheduler:process_input_requests",
-        "take Bind messages out of the engine's ordered input",
+        "top of each loop pass: leave a TP step's state; take Bind messages out of input",
     ),
     Patch(
         "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run",
         "around",
         "sglang_patches.scheduler:get_next_batch_to_run",
-        "step boundary: run pending TP sessions before the next DP batch",
+        "step boundary: start binds; a group's TP batch or one DP step between two",
+    ),
+    Patch(
+        "sglang.srt.managers.scheduler.Scheduler.run_batch",
+        "around",
+        "sglang_patches.scheduler:run_batch",
+        "contain a failed TP step (that session ends, the engine keeps serving)",
+    ),
+    Patch(
+        "sglang.srt.managers.scheduler.Scheduler.process_batch_result",
+        "around",
+        "sglang_patches.scheduler:process_batch_result",
+        "contain a failed TP step's output processing",
     ),
     # -- global scheduler (sglang.srt.managers.data_parallel_controller) --
     Patch(

@@ -1,12 +1,16 @@
 """Hooks on ``sglang.srt.managers.scheduler.Scheduler`` (the engine process).
 
-- ``__init__`` (after): give the engine its Flying state and communicator pool.
-- ``process_input_requests`` (around): take Flying's Bind messages out of the input
-  batch (they arrive on the same socket as requests, so they are ordered with them)
-  and note client aborts (a bind whose request was aborted is voted down).
-- ``get_next_batch_to_run`` (around): the step boundary; run pending TP sessions first
-  (under soft preemption, first drain the running DP requests); refresh the engine's
-  published status when due.
+SGLang's own loop (``event_loop_normal``) drives Flying: each hook calls the engine's
+runtime object (``flying.session.engine.FlyingEngine``), which calls the original.
+
+- ``__init__`` (after): give the engine its Flying state, communicator pool and the
+  per-degree objects a group needs.
+- ``process_input_requests`` (around): top of every loop iteration: back to DP state
+  after a TP step; take Flying's Bind messages out of the input (they arrive on the
+  same socket as requests, so they are ordered with them); note client aborts.
+- ``get_next_batch_to_run`` (around): the step boundary: start a pending bind, and
+  choose this step's batch: the group's next TP batch or one DP step between two.
+- ``run_batch`` / ``process_batch_result`` (around): contain a TP step's failure.
 """
 
 from __future__ import annotations
@@ -21,8 +25,8 @@ def init(result, scheduler, *args, **kwargs):
 
 def process_input_requests(original, scheduler, recv_reqs):
     engine = get_engine()
-    if engine is not None and recv_reqs:
-        recv_reqs = [r for r in recv_reqs if not engine.on_input(r)]
+    if engine is not None:
+        recv_reqs = engine.before_input(scheduler, recv_reqs)
     return original(scheduler, recv_reqs)
 
 
@@ -30,10 +34,18 @@ def get_next_batch_to_run(original, scheduler, *args, **kwargs):
     engine = get_engine()
     if engine is None:
         return original(scheduler, *args, **kwargs)
-    if engine.pending and not engine.in_session:
-        engine_setup.run_pending(scheduler, engine, original)
-        if engine.draining:  # soft preemption: finish running DP work, admit none
-            return engine_setup.drain_step(scheduler, original, *args, **kwargs)
-    plan = original(scheduler, *args, **kwargs)
-    engine.publish(scheduler, plan=plan)  # cheap unless due: /flying/status stays current
-    return plan
+    return engine.next_batch(scheduler, original)
+
+
+def run_batch(original, scheduler, batch, *args, **kwargs):
+    engine = get_engine()
+    if engine is None or args or kwargs:
+        return original(scheduler, batch, *args, **kwargs)
+    return engine.run_batch(scheduler, original, batch)
+
+
+def process_batch_result(original, scheduler, batch, result, *args, **kwargs):
+    engine = get_engine()
+    if engine is None or args or kwargs:
+        return original(scheduler, batch, result, *args, **kwargs)
+    return engine.process_batch_result(scheduler, original, batch, result)

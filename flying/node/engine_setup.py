@@ -1,4 +1,4 @@
-"""Wiring an SGLang scheduler to Flying: pool creation at startup, status publishing."""
+"""Wiring an SGLang scheduler to Flying at start-up: pool, prepared degrees, status."""
 
 from __future__ import annotations
 
@@ -27,28 +27,6 @@ def attach(scheduler) -> None:
     pool = CommPool.create(address, dp_rank, num_engines, degrees, prefix=prefix)
     dp_limit = min(int(scheduler.max_req_len), int(scheduler.model_config.context_len))
     engine = FlyingEngine(dp_rank, pool, cfg.bind_timeout_s, cfg.preempt, dp_limit=dp_limit)
+    engine.prepare(scheduler)  # every degree's views, KV view and backend, now
     set_engine(engine)
     status.publish(pool.store, dp_rank, engine, scheduler)
-
-
-def run_pending(scheduler, engine: FlyingEngine, next_batch) -> None:
-    was_draining = engine.draining
-    try:
-        engine.run_pending(scheduler, next_batch)
-    finally:
-        # a draining step that started nothing changes nothing worth publishing
-        if not (was_draining and engine.draining):
-            engine.publish(scheduler, force=True)
-
-
-def drain_step(scheduler, next_batch, *args, **kwargs):
-    """Soft preemption: SGLang's step over the running DP requests only (the waiting
-    ones stay queued until after the session). Requests SGLang retracts meanwhile go
-    back to the real waiting queue."""
-    waiting, scheduler.waiting_queue = scheduler.waiting_queue, []
-    try:
-        plan = next_batch(scheduler, *args, **kwargs)
-    finally:
-        waiting.extend(scheduler.waiting_queue)
-        scheduler.waiting_queue = waiting
-    return plan

@@ -1,22 +1,32 @@
-"""An engine's Flying side: pending binds, and running a bound TP session.
+"""An engine's Flying side: the runtime object of one engine process.
 
-A session runs synchronously at the engine's step boundary (before SGLang forms its next
-DP batch). While it runs, the engine's DP requests simply do not step: their KV stays
-where it is, and they resume afterwards with nothing recomputed (hard preemption). The
-session itself is SGLang's own machinery: the request goes through
-``handle_generate_request``, batches are formed by SGLang's ``get_next_batch_to_run``
-and run by ``run_batch`` / ``process_batch_result``, with the scheduler and model runner
-switched into TP mode by ``tp_scope.session_scope``.
+``FlyingEngine`` holds everything Flying knows in an engine process (pending binds, the
+current group session, the per-degree prepared objects, counters, abort notes, fault
+switches); SGLang's scheduler hooks (``sglang_patches.scheduler``) call its methods at
+SGLang's own step boundaries:
+
+- ``before_input`` (top of every loop iteration, ``process_input_requests``): leave the
+  TP state a TP step ran in (or contain its failure); binds are taken out of the input.
+- ``next_batch`` (``get_next_batch_to_run``): start a pending bind, and choose what this
+  step runs: the session's next TP batch, or, after a TP step, one DP step when this
+  engine has DP work waiting (``flying.session.group`` has the states).
+- ``run_batch`` / ``process_batch_result``: SGLang's own, with a TP step's exception
+  contained (the session ends, the engine keeps serving).
+
+So a session is SGLang's own machinery run in the session's TP state: requests go
+through ``handle_generate_request``, batches are formed by ``get_next_batch_to_run`` and
+run by ``run_batch`` / ``process_batch_result`` in SGLang's loop; no loop body is copied.
 
 Lockstep: every member runs the identical request set with identical KV capacity, so
-SGLang's deterministic scheduling forms identical batches; each step the members check
-that with one tiny broadcast of the leader's batch signature (``flying.session.exchange``), and
-every sampled token is the leader's (``Member.share_tokens_``), so members write the
-same tokens into their KV shards. Only the leader streams outputs to the client.
+SGLang's deterministic scheduling forms identical TP batches; each TP step the members
+check that with one tiny collective of the leader's batch signature
+(``flying.session.exchange``), and every sampled token is the leader's
+(``Member.share_tokens_``). DP steps between TP steps are each member's own: they need
+no collective, and a member without DP work simply waits in the next TP step's.
 
-Containment: any exception inside a session (a step, a collective, a lockstep
-mismatch) ends that session only (``flying.session.containment``); the engine returns to DP
-with its KV slots and request rows accounted for and keeps serving.
+Containment: any exception in a TP step (formation, forward, collective, sampling,
+lockstep) ends that session only (``flying.session.containment``); the engine returns to
+DP with its KV slots and request rows accounted for and keeps serving.
 """
 
 from __future__ import annotations
@@ -32,43 +42,26 @@ import torch.distributed as dist
 from flying.session import aborts, admission, containment, exchange, status, tp_scope
 from flying.session.aborts import AbortBook
 from flying.session.faults import FaultSwitch
+from flying.session.group import DP, GroupSession, Mode, State
 from flying.session.messages import Bind
 from flying.session.status import SESSION_BUCKETS_S, SWITCH_BUCKETS_MS, bucket_index
 from flying.substrate.comm_pool import CommPool
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["DP", "FlyingEngine", "Mode", "get_engine", "set_engine"]
+
 #: How long the leader waits for the group's members to reach a step boundary.
 DEFAULT_BIND_TIMEOUT_S = 30.0
-#: Upper bound on steps in one session (a guard against a scheduling bug, not a limit).
-MAX_SESSION_STEPS = 1_000_000
-#: Consecutive steps without a batch after which a session is declared stuck.
+#: Consecutive TP boundaries without a batch after which a session is declared stuck.
 MAX_IDLE_STEPS = 50
-#: Once a member has DP work waiting (paused, queued or newly arrived), a session
-#: admits new requests for at most this long, then drains and releases, so that the
-#: DP work gets its turn. With no DP work waiting, admission stays open.
+#: Once a member has DP work waiting, a session admits new requests for at most this
+#: long, then finishes the requests it has (DP steps run between its TP steps meanwhile).
 MAX_ADMIT_S = 0.5
 #: Soft preemption: how long a drained member waits for the others per step boundary.
 DRAIN_POLL_S = 0.2
 #: How often a busy engine (DP or in a session) refreshes its published status.
 STATUS_EVERY_S = 0.1
-
-
-@dataclass(frozen=True)
-class Mode:
-    """An engine's mode: DP (degree 1) or a member of a TP group of ``degree``."""
-
-    degree: int = 1
-
-    @property
-    def is_dp(self) -> bool:
-        return self.degree == 1
-
-    def __str__(self) -> str:
-        return "dp" if self.degree == 1 else f"tp{self.degree}"
-
-
-DP = Mode(1)
 
 
 @dataclass
@@ -81,6 +74,12 @@ class EngineCounters:
     rerun_in_dp: int = 0
     preempted_dp_requests: int = 0
     tp_requests: int = 0
+    tp_steps: int = 0
+    #: DP steps an engine ran between the TP steps of its sessions
+    dp_steps_in_session: int = 0
+    #: the most TP steps a member ran in a row while it had DP work waiting (the
+    #: longest a DP request waits for a group, in group steps; 1 by construction)
+    max_dp_wait_steps: int = 0
     #: switch latency (bind taken at a step boundary -> group ready) histogram, counts
     #: per ``metrics.SWITCH_BUCKETS_MS`` bucket (+Inf last), and the sum in ms
     switch_hist: list[int] = field(default_factory=lambda: [0] * (len(SWITCH_BUCKETS_MS) + 1))
@@ -109,15 +108,33 @@ class FlyingEngine:
         #: none) for the bind at the head of ``pending``.
         self.draining = False
         self.pending: deque[Bind] = deque()
-        #: Non-bind input received during a session; handed to SGLang after it.
+        #: Non-bind input received while a TP step waited for offered binds; handed to
+        #: SGLang at the next input boundary, ahead of what arrives then.
         self.deferred: list = []
         self.counters = EngineCounters()
-        self.mode: Mode = DP
-        self.in_session = False
+        self.session: GroupSession | None = None
+        #: degree -> the objects a group of that degree needs, built at start-up
+        self.prepared: dict[int, tp_scope.Prepared] = {}
         self.aborts = AbortBook()
         self.faults = FaultSwitch(pool.store if pool else None, dp_rank)
         self._status_at = 0.0
         self._published_busy = False
+
+    @property
+    def mode(self) -> Mode:
+        return self.session.mode if self.session is not None else DP
+
+    def prepare(self, scheduler) -> None:
+        """Build every degree's views, pools and backend now (start-up), so a bind swaps."""
+        if self.pool is None:
+            return
+        for degree, member in sorted(self.pool.members.items()):
+            try:
+                self.prepared[degree] = tp_scope.prepare(scheduler, member)
+            except Exception as exc:  # noqa: BLE001 - the probe closes groups it cannot run
+                logger.warning("flying: engine %d cannot prepare TP-%d: %s", self.dp_rank, degree, exc)
+
+    # -- inputs ---------------------------------------------------------------------
 
     def on_input(self, req) -> bool:
         """Take Flying's part of one input message; True if SGLang must not see it."""
@@ -130,44 +147,110 @@ class FlyingEngine:
             self.aborts.note(req)
         return False
 
-    def run_pending(self, scheduler, next_batch) -> None:
-        """Run the oldest pending bind (the controller's total order) as one session.
-
-        One session per step boundary: the paused DP batch steps in between, so a stream
-        of TP requests delays DP work but never starves it.
-        """
-        if self.pending and self._may_start(scheduler, self.pending[0]):
-            self.draining = False
-            self._run(scheduler, self.pending.popleft(), next_batch)
+    def before_input(self, scheduler, recv_reqs: list) -> list:
+        """Top of SGLang's loop: back to the DP state (or contain a failed TP step);
+        returns the input SGLang should process, binds taken out."""
+        s = self.session
+        if s is not None and s.scope.entered:
+            if s.failure is not None:
+                self._contain(scheduler, s, s.failure)
+            else:
+                s.scope.leave()
+                s.to(State.YIELDED)
+        reqs = [r for r in recv_reqs if not self.on_input(r)]
         if self.deferred:
-            deferred, self.deferred = self.deferred, []
-            scheduler.process_input_requests(deferred)
+            reqs, self.deferred = [*self.deferred, *reqs], []
+        return reqs
 
-    def _may_start(self, scheduler, bind: Bind) -> bool:
-        """Hard preemption: always. Soft: once every member has drained its DP work
-        for this bind. Each announces it in the store, then waits at most
-        ``DRAIN_POLL_S`` for the others (it has nothing else to run: new DP work is
-        held back while draining), so a wait never blocks an engine for long. The drain
-        keys are deleted by the bind's rendezvous."""
+    def poll(self, scheduler) -> None:
+        """Receive input inside a TP boundary (waiting for offered binds): binds queue
+        up, aborts are noted, the rest is handed to SGLang at the next input boundary."""
+        for req in scheduler.request_receiver.recv_requests(local_reqs=[]):
+            if not self.on_input(req):
+                self.deferred.append(req)
+
+    # -- the step boundary ------------------------------------------------------------
+
+    def next_batch(self, scheduler, original):
+        """SGLang's ``get_next_batch_to_run`` for this step (the engine is in DP state)."""
+        s = self.session
+        if s is None and self.pending and not self.draining_blocks(scheduler):
+            s = self._bind(scheduler, self.pending.popleft())
+        elif s is None and self.draining:
+            return self._drain_step(scheduler, original)
+        if s is not None:
+            s.dp_work = _has_dp_work(scheduler)
+            if s.dp_turn and s.dp_work:
+                s.dp_turn = False
+                plan = _form(scheduler, original)
+                if plan.batch_to_run is not None:
+                    s.dp_steps += 1
+                    s.dp_wait_steps = 0
+                    self.counters.dp_steps_in_session += 1
+                    self.publish(scheduler, plan=plan)
+                    return plan
+                scheduler.running_batch, scheduler.last_batch = plan.running_batch, None
+            plan = self._tp_boundary(scheduler, s, original)
+            if plan is not None:
+                return plan
+        plan = _form(scheduler, original)
+        self.publish(scheduler, plan=plan)  # cheap unless due: /flying/status stays current
+        return plan
+
+    def run_batch(self, scheduler, original, batch):
+        s = self.session
+        if s is None or not s.scope.entered:
+            return original(scheduler, batch)
+        try:
+            return original(scheduler, batch)
+        except Exception as exc:  # noqa: BLE001 - containment: this session only
+            self._failed(s, exc)
+            return None
+
+    def process_batch_result(self, scheduler, original, batch, result):
+        s = self.session
+        if s is None or not s.scope.entered:
+            return original(scheduler, batch, result)
+        if s.failure is not None:
+            return None
+        try:
+            return original(scheduler, batch, result)
+        except Exception as exc:  # noqa: BLE001 - containment: this session only
+            self._failed(s, exc)
+            return None
+
+    def draining_blocks(self, scheduler) -> bool:
+        """Soft preemption: True while this engine must drain before the head bind.
+
+        Hard preemption: never. Soft: until every member has drained its DP work for
+        the bind. Each announces it in the store, then waits at most ``DRAIN_POLL_S``
+        for the others (it has nothing else to run: new DP work is held back while
+        draining), so a wait never blocks an engine for long. The drain keys are deleted
+        by the bind's rendezvous."""
         if self.preempt != "soft" or self.pool is None:
-            return True
+            return False
+        bind = self.pending[0]
         self.draining = True
         if not _nothing_running(scheduler):
-            return False
+            return True
         keys = drain_keys(bind)
         self.pool.store.set(keys[bind.ranks.index(self.dp_rank)], "1")
         try:
             self.pool.store.wait(keys, _dt.timedelta(seconds=DRAIN_POLL_S))
         except (RuntimeError, dist.DistStoreError):
-            return False
-        return True
+            return True
+        return False
 
-    def poll(self, scheduler) -> None:
-        """Receive input during a session: binds queue up, aborts are noted (the leader
-        announces those of session requests), the rest waits for DP mode."""
-        for req in scheduler.request_receiver.recv_requests(local_reqs=[]):
-            if not self.on_input(req):
-                self.deferred.append(req)
+    def _drain_step(self, scheduler, original):
+        """Soft preemption: SGLang's step over the running DP requests only (the waiting
+        ones stay queued until after the session). Requests SGLang retracts meanwhile
+        go back to the real waiting queue."""
+        waiting, scheduler.waiting_queue = scheduler.waiting_queue, []
+        try:
+            return _form(scheduler, original)
+        finally:
+            waiting.extend(scheduler.waiting_queue)
+            scheduler.waiting_queue = waiting
 
     def publish(self, scheduler, force: bool = False, plan=None) -> None:
         """Refresh the engine's status in the store: on events (``force``), at most every
@@ -179,13 +262,14 @@ class FlyingEngine:
         running = plan.running_batch if plan is not None else scheduler.running_batch
         batch = plan.batch_to_run if plan is not None else None
         busy = bool(scheduler.waiting_queue) or batch is not None or not running.is_empty()
+        busy = busy or self.session is not None
         went_idle = self._published_busy and not busy
         if force or went_idle or now - self._status_at >= STATUS_EVERY_S:
             self._status_at = now
             self._published_busy = busy
             status.publish(self.pool.store, self.dp_rank, self, scheduler)
 
-    # -- one session ----------------------------------------------------------------
+    # -- one session --------------------------------------------------------------------
 
     def _vote(self, scheduler, bind: Bind):
         """(reservation or None, vote): "" if this member can serve the bind."""
@@ -194,6 +278,8 @@ class FlyingEngine:
             self.faults.check("bind")
             if self.aborts.hits(bind.req.rid):
                 return None, "request aborted by the client"
+            if bind.degree not in self.prepared:
+                return None, f"engine {self.dp_rank} has no TP-{bind.degree} views"
             reservation = tp_scope.reserve_for(
                 scheduler, admission.tokens_needed(bind, self.dp_limit), bind.degree
             )
@@ -202,12 +288,14 @@ class FlyingEngine:
             return None, f"engine {self.dp_rank} failed to prepare: {exc}"
         return reservation, "" if reservation is not None else "member lacks KV capacity"
 
-    def _run(self, scheduler, bind: Bind, next_batch) -> None:
+    def _bind(self, scheduler, bind: Bind) -> GroupSession | None:
+        """BINDING: vote, rendezvous, open the scope and hand the request; the session
+        is RUNNING (TP state entered) on return, or None if the bind did not form."""
+        self.draining = False
         t0 = time.perf_counter()
-        degree = bind.degree
         is_leader = self.dp_rank == bind.ranks[0]
         reservation, vote = self._vote(scheduler, bind)
-        verdict = self.pool.rendezvous(bind.bind_id, degree, vote, self.bind_timeout_s)
+        verdict = self.pool.rendezvous(bind.bind_id, bind.degree, vote, self.bind_timeout_s)
         if self.preempt == "soft":  # every member is past its drain wait now
             self.pool.store.delete_key(drain_keys(bind)[bind.ranks.index(self.dp_rank)])
         t_rdv = time.perf_counter()
@@ -220,126 +308,177 @@ class FlyingEngine:
             elif is_leader:  # the group could not form: serve the request in DP instead
                 self.counters.rerun_in_dp += 1
                 scheduler.handle_generate_request(bind.req)
-            return
-        member = self.pool.member(degree)
-        paused = len(scheduler.running_batch.reqs) + len(scheduler.waiting_queue)
+            return None
+        member = self.pool.member(bind.degree)
         self.counters.binds += 1
         self.counters.preempted_dp_requests += len(scheduler.running_batch.reqs)
-        self.mode, self.in_session = Mode(degree), True
-        session, admitted, rerun = None, 0, []
-        t_scope = t_rdv
+        scope = tp_scope.open_scope(
+            scheduler, self.prepared[bind.degree], member, reservation, is_leader, self.faults
+        )
+        s = GroupSession(bind, member, scope, is_leader, t_bind=t0, t_rendezvous=t_rdv)
+        self.session = s
         try:
-            with tp_scope.session_scope(
-                scheduler, member, reservation, is_leader, self.faults
-            ) as session:
-                t_scope = time.perf_counter()
-                logger.info(
-                    "flying: engine %d -> TP-%d group %s (bind %s, %d DP requests paused)",
-                    self.dp_rank, degree, list(bind.ranks), bind.bind_id, paused,
+            scope.enter()
+            s.to(State.RUNNING)
+            scope.tokenized[bind.req.rid] = bind.req
+            self.faults.check("scope")
+            scope.hand(scheduler, bind.req)
+        except Exception as exc:  # noqa: BLE001 - containment: this session only
+            self._failed(s, exc)
+            self._contain(scheduler, s, exc)
+            return None
+        s.t_ready = time.perf_counter()
+        logger.info(
+            "flying: engine %d -> TP-%d group %s (bind %s)",
+            self.dp_rank, bind.degree, list(bind.ranks), bind.bind_id,
+        )
+        return s
+
+    def _tp_boundary(self, scheduler, s: GroupSession, original):
+        """A TP step's boundary: enter the TP state, apply the last exchange (aborts,
+        admissions), form the batch and exchange its signature. Returns the plan for
+        SGLang to run in the TP state, or None when the session has ended (DP state)."""
+        try:
+            if not s.scope.entered:
+                s.scope.enter()
+                s.to(State.RUNNING)
+            while True:
+                plan = self._tp_form(scheduler, s, original)
+                if plan is not None:
+                    return plan
+                if s.state is State.RELEASED:
+                    return None
+        except Exception as exc:  # noqa: BLE001 - containment: this session only
+            self._failed(s, exc)
+            self._contain(scheduler, s, exc)
+            return None
+
+    def _tp_form(self, scheduler, s: GroupSession, original):
+        """One attempt at a TP batch; None if there was none this time (the session
+        may have ended: every member saw "done" in the same exchange)."""
+        shared = s.shared
+        s.shared = exchange.Shared([], [], 0)
+        if shared.aborts:
+            self.counters.client_aborts += aborts.apply(
+                scheduler, containment.session_reqs(scheduler), shared.aborts
+            )
+        if shared.offers:
+            s.joined += admission.admit(self, scheduler, s.member, s.scope, shared.offers)
+        plan = _form(scheduler, original)
+        batch = plan.batch_to_run
+        self.publish(scheduler, plan=plan)
+        self.faults.check("step")
+        # Admission stays open while no member has DP work waiting; once one has,
+        # for MAX_ADMIT_S more at most: the session then finishes what it has.
+        if shared.dp_waiting and time.monotonic() - s.started > MAX_ADMIT_S:
+            s.scope.admitting = False
+        offers = admission.candidates(self.pending, s.bind) if s.scope.admitting else []
+        due = (
+            self.aborts.due(containment.session_reqs(scheduler), exchange.MAX_ABORTS)
+            if s.is_leader else []
+        )
+        busy = bool(scheduler.waiting_queue) or not plan.running_batch.is_empty()
+        s.shared = exchange.exchange(s.member, batch, offers, due, s.dp_work, busy)
+        if batch is not None:
+            s.idle_steps = 0
+            s.tp_steps += 1
+            self.counters.tp_steps += 1
+            s.dp_turn = True
+            if s.dp_work:
+                s.dp_wait_steps += 1
+                self.counters.max_dp_wait_steps = max(
+                    self.counters.max_dp_wait_steps, s.dp_wait_steps
                 )
-                self.publish(scheduler, force=True)
-                try:
-                    session.tokenized[bind.req.rid] = bind.req
-                    self.faults.check("scope")
-                    session.hand(scheduler, bind.req)
-                    admitted = 1 + self._steps(scheduler, member, bind, session, next_batch)
-                    self.faults.check("release")
-                except Exception as exc:  # noqa: BLE001 - containment: end this session only
-                    member.poison()
-                    self.counters.faulted_sessions += 1
-                    self.counters.last_fault = f"{type(exc).__name__}: {exc}"[:300]
-                    logger.exception("flying: engine %d: TP-%d session failed", self.dp_rank, degree)
-                    rerun = containment.abandon(
-                        scheduler, is_leader, f"TP-{degree} group failed: {exc}",
-                        session.tokenized, session.handed,
-                    )
-                    admitted = len(session.tokenized)
+            return plan
+        scheduler.running_batch, scheduler.last_batch = plan.running_batch, None
+        if s.shared.done:
+            self.faults.check("release")
+            self._end(scheduler, s, [])
+            return None
+        if s.shared.busy:
+            s.idle_steps += 1
+            if s.idle_steps >= MAX_IDLE_STEPS:
+                raise RuntimeError(f"flying: TP session made no progress: {_describe(scheduler)}")
+        self.poll(scheduler)  # offers to take: their binds may still be in flight
+        return None
+
+    def _failed(self, s: GroupSession, exc: BaseException) -> None:
+        """Record a TP step's failure and wake the peers (poisoned segment)."""
+        if s.failure is None:
+            s.failure = exc
+            s.member.poison()
+            self.counters.faulted_sessions += 1
+            self.counters.last_fault = f"{type(exc).__name__}: {exc}"[:300]
+            logger.error(
+                "flying: engine %d: TP-%d session failed: %s", self.dp_rank, s.bind.degree,
+                self.counters.last_fault, exc_info=exc,
+            )
+
+    def _contain(self, scheduler, s: GroupSession, exc: BaseException) -> None:
+        """End a failed session (in its TP state): free its rows, re-run or abort its
+        requests (``containment.abandon``), and release it."""
+        rerun = []
+        try:
+            if not s.scope.entered:
+                s.scope.enter()
+            rerun = containment.abandon(
+                scheduler, s.is_leader, f"TP-{s.bind.degree} group failed: {exc}",
+                s.scope.tokenized, s.scope.handed,
+            )
         finally:
-            if session is not None:
-                session.release_all()
-            else:
-                tp_scope.release(scheduler, reservation)
-            self.mode, self.in_session = DP, False
+            self._end(scheduler, s, rerun)
+
+    def _end(self, scheduler, s: GroupSession, rerun: list) -> None:
+        """RELEASED: leave the TP state for good, return the reservations, count."""
+        try:
+            s.scope.leave()
+        finally:
+            s.scope.release_all()
+            self.session = None
+            s.state = State.RELEASED
             self.aborts.end_session()
         for req in rerun:  # leader only: nothing was streamed, so DP answers instead
             self.counters.rerun_in_dp += 1
             scheduler.handle_generate_request(req)
-        self.counters.releases += 1
-        self.counters.tp_requests += admitted
+        c = self.counters
+        c.releases += 1
+        c.tp_requests += len(s.scope.tokenized)
         t_end = time.perf_counter()
-        self.counters.last_switch_ms = {
-            "control_ms": max(0.0, (time.time() - bind.issued_at) * 1e3 - (t_end - t0) * 1e3),
+        t0, t_rdv = s.t_bind, s.t_rendezvous
+        t_scope = s.t_ready or t_rdv
+        c.last_switch_ms = {
+            "control_ms": max(0.0, (time.time() - s.bind.issued_at) * 1e3 - (t_end - t0) * 1e3),
             "rendezvous_ms": (t_rdv - t0) * 1e3,
             "scope_setup_ms": (t_scope - t_rdv) * 1e3,
             "session_ms": (t_end - t_scope) * 1e3,
         }
         switch_ms = (t_scope - t0) * 1e3
-        self.counters.switch_hist[bucket_index(switch_ms)] += 1
-        self.counters.switch_ms_sum += switch_ms
-        self.counters.session_hist[bucket_index(t_end - t0, SESSION_BUCKETS_S)] += 1
-        self.counters.session_s_sum += t_end - t0
+        c.switch_hist[bucket_index(switch_ms)] += 1
+        c.switch_ms_sum += switch_ms
+        c.session_hist[bucket_index(t_end - t0, SESSION_BUCKETS_S)] += 1
+        c.session_s_sum += t_end - t0
+        self.publish(scheduler, force=True)
         logger.info(
-            "flying: engine %d -> DP (bind %s released, %d TP requests served)",
-            self.dp_rank, bind.bind_id, admitted,
+            "flying: engine %d -> DP (bind %s released: %d TP requests, %d TP steps, "
+            "%d DP steps between them)",
+            self.dp_rank, s.bind.bind_id, len(s.scope.tokenized), s.tp_steps, s.dp_steps,
         )
 
-    def _steps(self, scheduler, member, bind: Bind, session, next_batch) -> int:
-        """SGLang's own loop body (``event_loop_normal``) until the session is drained;
-        returns how many further requests joined the session.
 
-        Every step the leader shares its batch signature (lockstep check), the ids of
-        binds for this same group that it has received, in order, and the requests the
-        client aborted; at the next step boundary every member admits the binds into the
-        running session (continuous batching inside the group) and aborts the requests.
-        The session ends only on an empty plan with nothing waiting, running or
-        announced: all three are the same on every member.
-        """
-        idle, joined = 0, 0
-        shared = exchange.Shared([], [], 0)
-        is_leader = member.tp_rank == 0
-        t_start = time.monotonic()
-        for _ in range(MAX_SESSION_STEPS):
-            if shared.aborts:
-                self.counters.client_aborts += aborts.apply(
-                    scheduler, containment.session_reqs(scheduler), shared.aborts
-                )
-            if shared.offers:
-                joined += admission.admit(self, scheduler, member, session, shared.offers)
-            plan = next_batch(
-                scheduler, running_batch=scheduler.running_batch, last_batch=scheduler.last_batch
-            )
-            scheduler.running_batch = plan.running_batch
-            batch = plan.batch_to_run
-            scheduler.last_batch = batch
-            self.poll(scheduler)
-            self.publish(scheduler)
-            self.faults.check("step")
-            # Admission stays open while no member has DP work waiting; once one has,
-            # for MAX_ADMIT_S more at most (hard preemption delays DP, never starves it).
-            if shared.dp_waiting and time.monotonic() - t_start > MAX_ADMIT_S:
-                session.admitting = False
-            offers = admission.candidates(self.pending, bind) if session.admitting else []
-            due = (
-                self.aborts.due(containment.session_reqs(scheduler), exchange.MAX_ABORTS)
-                if is_leader else []
-            )
-            busy = bool(scheduler.waiting_queue) or not scheduler.running_batch.is_empty()
-            shared = exchange.exchange(
-                member, batch, offers, due, session.has_dp_work(self), busy
-            )
-            if batch is None:
-                if shared.done:
-                    return joined
-                if not shared.busy:
-                    continue  # offers or aborts to take at the next boundary
-                idle += 1
-                if idle >= MAX_IDLE_STEPS:
-                    raise RuntimeError(f"flying: TP session made no progress: {_describe(scheduler)}")
-                continue
-            idle = 0
-            result = scheduler.run_batch(batch)
-            scheduler.process_batch_result(batch, result)
-        raise RuntimeError("flying: TP session did not finish")
+def _form(scheduler, original):
+    """SGLang's batch formation for the scheduler's current state (DP or TP): the loop
+    read ``running_batch`` / ``last_batch`` before this hook switched state."""
+    return original(scheduler, running_batch=scheduler.running_batch, last_batch=scheduler.last_batch)
+
+
+def _has_dp_work(scheduler) -> bool:
+    """DP requests are waiting or running in the engine's (current) DP state."""
+    last = scheduler.last_batch
+    return (
+        bool(scheduler.waiting_queue)
+        or not scheduler.running_batch.is_empty()
+        or (last is not None and not all(r.finished() for r in last.reqs))
+    )
 
 
 def drain_keys(bind: Bind) -> list[str]:

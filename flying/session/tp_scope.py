@@ -1,6 +1,15 @@
 """The mode scope: switch one engine's SGLang scheduler and model runner into TP mode.
 
-``session_scope`` swaps, and restores in ``finally``:
+Two parts, both attribute toggles (``flying.substrate.toggle``):
+- ``Prepared`` (per TP degree, built once at engine start-up): the layer views, the TP
+  view of the KV pool, an attention backend bound to it, and which SGLang components
+  hold the tree cache, the allocator and the pool size (found once, by scanning).
+- ``Scope`` (per group session): the session's allocator over its reserved sub-slots, a
+  disabled prefix cache, its own queues and limits. ``enter()`` switches the engine
+  into the session's TP state, ``leave()`` back to its DP state, keeping both sides'
+  state; the engine does that around every TP step, so DP steps can run between them.
+
+What the TP state swaps:
 - model layers -> TP shard views (``weight_views.tp_layers``), reductions on the group;
 - model runner: KV pool -> TP view of the same memory, allocator -> the reserved
   sub-slots, attention backend -> an instance bound to the TP view;
@@ -15,12 +24,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Iterator
 
 from flying.substrate import kv_adaptor
-from flying.substrate.weight_views import build_shards, tp_layers
+from flying.substrate.toggle import Toggle
+from flying.substrate.weight_views import build_shards, layer_toggle
 
 
 class _NullSender:
@@ -74,43 +82,6 @@ def _disabled_cache(scheduler, allocator):
     return UnifiedRadixCache(params)
 
 
-def _set(obj: object, name: str, value: object) -> None:
-    try:
-        setattr(obj, name, value)
-    except dataclasses.FrozenInstanceError:  # SGLang components that are frozen dataclasses
-        object.__setattr__(obj, name, value)
-
-
-@contextlib.contextmanager
-def _swap(pairs: list[tuple[object, str, object]]) -> Iterator[None]:
-    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in pairs]
-    try:
-        for obj, name, value in pairs:
-            _set(obj, name, value)
-        yield
-    finally:
-        for obj, name, old in reversed(saved):
-            _set(obj, name, old)
-
-
-_SHARDS: dict[tuple[int, int], object] = {}
-_POOLS: dict[int, object] = {}
-
-
-def shards_for(model, degree: int, rank: int):
-    """The (degree, rank) view table; views are built once and reused."""
-    key = (degree, rank)
-    if key not in _SHARDS:
-        _SHARDS[key] = build_shards(model, degree, rank)
-    return _SHARDS[key]
-
-
-def tp_pool_for(pool, degree: int):
-    if degree not in _POOLS:
-        _POOLS[degree] = kv_adaptor.view_pool(pool, degree)
-    return _POOLS[degree]
-
-
 def _components(root) -> list[object]:
     """``root`` and its direct ``sglang.*`` components, each once."""
     holders, seen = [], set()
@@ -123,7 +94,7 @@ def _components(root) -> list[object]:
 
 
 def _references(root, targets: dict[int, object]) -> list[tuple[object, str, object]]:
-    """(holder, attribute, replacement) for every attribute of ``root`` and of its direct
+    """(holder, attribute, targets' value) for every attribute of ``root`` and of its direct
     components that refers to one of ``targets`` (keyed by ``id`` of the object to
     replace). SGLang hands the tree cache and allocator to several scheduler components
     at construction (result processor, output streamer, policy, ...); a TP session must
@@ -156,27 +127,81 @@ def _attrs(obj) -> dict[str, object]:
 
 
 @dataclasses.dataclass
-class Session:
-    """A bound session's KV bookkeeping on one member.
+class Prepared:
+    """Everything a TP-``degree`` session needs that does not depend on the session,
+    built at engine start-up so that entering a group is a swap (no views, pools or
+    backends are built on the bind path)."""
+
+    degree: int
+    layers: Toggle  # the model's layers as this engine's TP rank
+    tp_pool: object  # the KV pool viewed as [rows*m, H_kv/m, d]
+    backend: object  # the attention backend bound to ``tp_pool``
+    #: (holder, attribute) of every reference to the DP tree cache / the DP allocator
+    cache_refs: list[tuple[object, str]]
+    allocator_refs: list[tuple[object, str]]
+    size_holders: list[object]  # components with their own ``max_total_num_tokens``
+
+
+def prepare(scheduler, member) -> Prepared:
+    """Build the per-degree objects for ``member``'s group (once, at start-up)."""
+    runner = _runner(scheduler)
+    degree = member.group.degree
+    shards = build_shards(runner.model, degree, member.tp_rank)
+    tp_pool = kv_adaptor.view_pool(runner.token_to_kv_pool, degree)
+    # The backend reads the pool at construction: build it with the TP view in place.
+    pool_swap = Toggle([(runner, "token_to_kv_pool", tp_pool)])
+    pool_swap.enter()
+    try:
+        backend = type(runner.attn_backend)(runner)
+    finally:
+        pool_swap.leave()
+    cache, allocator = scheduler.tree_cache, scheduler.token_to_kv_pool_allocator
+    refs = _references(scheduler, {id(cache): "cache", id(allocator): "allocator"})
+    return Prepared(
+        degree, layer_toggle(shards, member.all_reduce), tp_pool, backend,
+        [(h, n) for h, n, kind in refs if kind == "cache"],
+        [(h, n) for h, n, kind in refs if kind == "allocator"],
+        _pool_size_holders(scheduler),
+    )
+
+
+@dataclasses.dataclass
+class Scope:
+    """One group session's TP state on one member, and its KV bookkeeping.
 
     ``reservations`` are the DP slots lent to the session (one per admitted request);
     their TP sub-slots are the TP allocator's whole supply, and ``capacity`` (their
     count) is what the scheduler sees as its pool while the session runs. Invariant:
-    ``capacity == sum(r.tp_slots.numel() for r in reservations)``.
+    ``capacity == sum(r.tp_slots.numel() for r in reservations)``. While ``entered``,
+    the scheduler's queues, batches, allocator and limits are the session's; otherwise
+    they are the engine's DP ones (the session's are kept in the toggles).
     """
 
-    scheduler: object  # gets the session's length limits; size_holders its pool size
+    scheduler: object
+    prepared: Prepared
     dp_allocator: object
     tp_allocator: object
     reservations: list
+    state: Toggle
     capacity: int = 0
     admitting: bool = True  # False once an offered request could not be admitted
-    dp_running: object = None  # the engine's paused DP batch (stashed, KV kept)
-    dp_waiting: list = dataclasses.field(default_factory=list)  # its stashed DP queue
-    size_holders: list = dataclasses.field(default_factory=list)  # see _pool_size_holders
     #: rid -> the request as it arrived (to re-run it in DP if the session fails early)
     tokenized: dict = dataclasses.field(default_factory=dict)
     handed: set = dataclasses.field(default_factory=set)  # rids handed to SGLang
+
+    @property
+    def entered(self) -> bool:
+        return self.state.entered
+
+    def enter(self) -> None:
+        """DP state -> the session's TP state (scheduler, KV, backend, then layers)."""
+        self.state.enter()
+        self.prepared.layers.enter()
+
+    def leave(self) -> None:
+        """The session's TP state -> DP state (no-op if not entered)."""
+        self.prepared.layers.leave()
+        self.state.leave()
 
     def hand(self, scheduler, req) -> None:
         """Give a joining request to SGLang (remembered for containment)."""
@@ -184,29 +209,31 @@ class Session:
         self.handed.add(req.rid)
         scheduler.handle_generate_request(req)
 
-    def has_dp_work(self, engine) -> bool:
-        """Whether DP work waits for this session to end on this member."""
-        running = getattr(self.dp_running, "reqs", None)
-        return bool(running) or bool(self.dp_waiting) or bool(engine.deferred)
-
     def grow(self, reservation) -> None:
-        """Add a reservation's sub-slots to the TP allocator (between steps only)."""
+        """Add a reservation's sub-slots to the TP allocator (while entered)."""
         self.reservations.append(reservation)
         self.tp_allocator.free(reservation.tp_slots)
         self._set_capacity(self.capacity + int(reservation.tp_slots.numel()))
 
     def _set_capacity(self, capacity: int) -> None:
         self.capacity = capacity
-        for holder in self.size_holders:
+        for holder in self.prepared.size_holders:
             _set(holder, "max_total_num_tokens", capacity)
         for name in ("max_req_len", "max_req_input_len"):
             setattr(self.scheduler, name, capacity - 1)
 
     def release_all(self) -> None:
-        """Give every reserved DP slot back to the engine (after the scope is left)."""
+        """Give every reserved DP slot back to the engine (after leaving)."""
         for res in self.reservations:
             kv_adaptor.release(self.dp_allocator, res)
         self.reservations = []
+
+
+def _set(obj: object, name: str, value: object) -> None:
+    try:
+        setattr(obj, name, value)
+    except dataclasses.FrozenInstanceError:  # SGLang components that are frozen dataclasses
+        object.__setattr__(obj, name, value)
 
 
 def _token_sync(member, faults):
@@ -221,53 +248,37 @@ def _token_sync(member, faults):
     return sync
 
 
-@contextlib.contextmanager
-def session_scope(
-    scheduler, member, reservation, is_leader: bool, faults=None
-) -> Iterator[Session]:
-    """TP mode for one bound session; yields its ``Session``. The caller releases the
-    reservations (``Session.release_all``) after leaving the scope."""
+def open_scope(scheduler, prepared: Prepared, member, reservation, is_leader: bool, faults=None) -> Scope:
+    """The session's TP state (not entered). The caller enters and leaves it around
+    TP steps and releases the reservations (``Scope.release_all``) after the last leave."""
     from sglang.srt.managers.schedule_batch import ScheduleBatch
 
     runner = _runner(scheduler)
-    degree = member.group.degree
-    shards = shards_for(runner.model, degree, member.tp_rank)
-    tp_pool = tp_pool_for(runner.token_to_kv_pool, degree)
     dp_allocator = scheduler.token_to_kv_pool_allocator
-    allocator = kv_adaptor.make_tp_allocator(dp_allocator, tp_pool, reservation)
+    allocator = kv_adaptor.make_tp_allocator(dp_allocator, prepared.tp_pool, reservation)
     cache = _disabled_cache(scheduler, allocator)
     capacity = int(reservation.tp_slots.numel())
-    session = Session(
-        scheduler, dp_allocator, allocator, [reservation], capacity,
-        dp_running=scheduler.running_batch,
-        dp_waiting=[*scheduler.waiting_queue, *scheduler.grammar_manager.grammar_queue],
-        size_holders=_pool_size_holders(scheduler),
+    state = Toggle(
+        [(h, n, cache) for h, n in prepared.cache_refs]
+        + [(h, n, allocator) for h, n in prepared.allocator_refs]
+        + [
+            (runner, "token_to_kv_pool", prepared.tp_pool),
+            (runner, "token_to_kv_pool_allocator", allocator),
+            (runner, "attn_backend", prepared.backend),
+            (scheduler, "waiting_queue", []),
+            (scheduler, "running_batch", ScheduleBatch(reqs=[], batch_is_full=False)),
+            (scheduler, "last_batch", None),
+            (scheduler, "chunked_req", None),
+            # DP requests waiting for their grammar: SGLang moves them into the waiting
+            # queue when ready, which in a TP step would put them into one member's batch.
+            (scheduler.grammar_manager, "grammar_queue", []),
+            *[(h, "max_total_num_tokens", capacity) for h in prepared.size_holders],
+            (scheduler, "max_req_len", capacity - 1),
+            (scheduler, "max_req_input_len", capacity - 1),
+            (runner.sampler, "_sync_token_ids_across_tp", _token_sync(member, faults)),
+        ]
     )
-    streamer = scheduler.output_streamer
-    swaps = _references(
-        scheduler,
-        {id(scheduler.tree_cache): cache, id(dp_allocator): allocator},
-    )
-    swaps += [
-        (runner, "token_to_kv_pool", tp_pool),
-        (runner, "token_to_kv_pool_allocator", allocator),
-        (scheduler, "waiting_queue", []),
-        (scheduler, "running_batch", ScheduleBatch(reqs=[], batch_is_full=False)),
-        (scheduler, "last_batch", None),
-        (scheduler, "chunked_req", None),
-        # DP requests waiting for their grammar: SGLang moves them into the waiting
-        # queue when ready, which mid-session would put them into one member's batch.
-        (scheduler.grammar_manager, "grammar_queue", []),
-        *[(h, "max_total_num_tokens", capacity) for h in session.size_holders],
-        (scheduler, "max_req_len", capacity - 1),
-        (scheduler, "max_req_input_len", capacity - 1),
-    ]
-    swaps.append((runner.sampler, "_sync_token_ids_across_tp", _token_sync(member, faults)))
     if not is_leader:
-        swaps.append((streamer, "send_to_detokenizer", _NullSender()))
-        swaps.append((scheduler.ipc_channels, "send_to_tokenizer", _NullSender()))
-    with _swap(swaps):
-        # The backend reads the pool at construction, so it is built inside the swap.
-        with _swap([(runner, "attn_backend", type(runner.attn_backend)(runner))]):
-            with tp_layers(shards, member.all_reduce):
-                yield session
+        state.add(scheduler.output_streamer, "send_to_detokenizer", _NullSender())
+        state.add(scheduler.ipc_channels, "send_to_tokenizer", _NullSender())
+    return Scope(scheduler, prepared, dp_allocator, allocator, [reservation], state, capacity)
