@@ -16,18 +16,19 @@ import sys
 import pytest
 import requests
 
+from scheduler.policy import PRIORITY_NAMES
+
 pytestmark = pytest.mark.integration
 
 NUM_REQUESTS = 20
 
 
 def _high_priority_finished(url: str) -> float:
+    """Finished requests of priority "high" (the label is its integer), any mode."""
     text = requests.get(url + "/metrics", timeout=30).text
-    return sum(
-        float(m.group(1))
-        for m in re.finditer(r'^flying_requests_total\{[^}]*priority="high"[^}]*\} (\S+)$',
-                             text, re.MULTILINE)
-    )
+    label = f'priority="{PRIORITY_NAMES["high"]}"'
+    pattern = r"^flying_requests_total\{[^}]*" + re.escape(label) + r"[^}]*\} (\S+)$"
+    return sum(float(m.group(1)) for m in re.finditer(pattern, text, re.MULTILINE))
 
 
 def test_sglang_benchmark_replays_exported_trace(dp2_server, demo_model_dir, tmp_path):
