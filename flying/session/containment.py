@@ -26,8 +26,9 @@ logger = logging.getLogger(__name__)
 FAULT_STATUS = 500
 
 
-def session_reqs(scheduler) -> list:
-    """The requests the session's queues hold, each once, in a stable order."""
+def session_reqs(scheduler, batch=None) -> list:
+    """The requests the session's queues (and ``batch``, the step's batch) hold, each
+    once, in a stable order."""
     out, seen = [], set()
     last = scheduler.last_batch
     chunked = scheduler.chunked_req
@@ -35,6 +36,7 @@ def session_reqs(scheduler) -> list:
         *scheduler.waiting_queue,
         *scheduler.running_batch.reqs,
         *(last.reqs if last is not None else ()),
+        *(batch.reqs if batch is not None else ()),
         *((chunked,) if chunked is not None else ()),
     ]:
         if id(req) not in seen:
@@ -44,7 +46,8 @@ def session_reqs(scheduler) -> list:
 
 
 def abandon(
-    scheduler, is_leader: bool, message: str, tokenized: dict[str, object], handed: set[str]
+    scheduler, is_leader: bool, message: str, tokenized: dict[str, object], handed: set[str],
+    batch=None,
 ) -> list:
     """Take every request out of the failed session; returns (leader only) the tokenized
     requests to re-run in DP. ``tokenized`` maps rid -> the request as it arrived (for
@@ -54,7 +57,7 @@ def abandon(
     from sglang.srt.managers.schedule_batch import ScheduleBatch
 
     rerun = [req for rid, req in tokenized.items() if rid not in handed] if is_leader else []
-    for req in session_reqs(scheduler):
+    for req in session_reqs(scheduler, batch):
         if req.kv.holds_kv:
             scheduler.req_to_token_pool.free(req)
         if not is_leader or req.finished_output:  # non-leaders never answer

@@ -156,6 +156,7 @@ class FlyingEngine:
                 self._contain(scheduler, s, s.failure)
             else:
                 s.scope.leave()
+                s.batch = None
                 s.to(State.YIELDED)
         reqs = [r for r in recv_reqs if not self.on_input(r)]
         if self.deferred:
@@ -366,6 +367,9 @@ class FlyingEngine:
             s.joined += admission.admit(self, scheduler, s.member, s.scope, shared.offers)
         plan = _form(scheduler, original)
         batch = plan.batch_to_run
+        # What SGLang's loop does next; done here so that containment finds the batch's
+        # requests (and frees their rows) if the exchange below raises.
+        scheduler.running_batch, s.batch = plan.running_batch, batch
         self.publish(scheduler, plan=plan)
         self.faults.check("step")
         # Admission stays open while no member has DP work waiting; once one has,
@@ -377,7 +381,7 @@ class FlyingEngine:
             self.aborts.due(containment.session_reqs(scheduler), exchange.MAX_ABORTS)
             if s.is_leader else []
         )
-        busy = bool(scheduler.waiting_queue) or not plan.running_batch.is_empty()
+        busy = bool(scheduler.waiting_queue) or not scheduler.running_batch.is_empty()
         s.shared = exchange.exchange(s.member, batch, offers, due, s.dp_work, busy)
         if batch is not None:
             s.idle_steps = 0
@@ -390,7 +394,7 @@ class FlyingEngine:
                     self.counters.max_dp_wait_steps, s.dp_wait_steps
                 )
             return plan
-        scheduler.running_batch, scheduler.last_batch = plan.running_batch, None
+        scheduler.last_batch = None
         if s.shared.done:
             self.faults.check("release")
             self._end(scheduler, s, [])
@@ -423,7 +427,7 @@ class FlyingEngine:
                 s.scope.enter()
             rerun = containment.abandon(
                 scheduler, s.is_leader, f"TP-{s.bind.degree} group failed: {exc}",
-                s.scope.tokenized, s.scope.handed,
+                s.scope.tokenized, s.scope.handed, s.batch,
             )
         finally:
             self._end(scheduler, s, rerun)

@@ -76,6 +76,7 @@ class GroupSession:
     idle_steps: int = 0
     dp_work: bool = False  # this member has DP work (seen at the last boundary)
     dp_turn: bool = False  # the next boundary runs a DP step if there is DP work
+    batch: object = None  # the TP batch of the current step (until the next input boundary)
     failure: BaseException | None = None  # raised in a TP step; contained at next input
     started: float = field(default_factory=time.monotonic)
     #: perf_counter stamps: bind taken, rendezvous done, first TP step ready
