@@ -67,7 +67,8 @@ def read_all(store, num_engines: int) -> dict:
         k: sum(e.get(k, 0) for e in engines)
         for k in (
             "binds", "releases", "aborted_binds", "faulted_sessions", "client_aborts",
-            "rerun_in_dp", "preempted_dp_requests", "tp_requests",
+            "rerun_in_dp", "preempted_dp_requests", "tp_requests", "tp_steps",
+            "dp_steps_in_session",
         )
     }
     return {"engines": engines, "bound_modes": groups, "totals": totals}

@@ -1,0 +1,40 @@
+"""What integration tests read from a running node: its status and when it is idle."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import requests
+
+
+def status(server) -> dict:
+    """``/flying/status`` of ``server``."""
+    return requests.get(server.url + "/flying/status", timeout=30).json()
+
+
+def wait_idle(server, timeout: float = 60.0) -> dict:
+    """Status once every engine is in DP with no pending bind, all KV slots and request
+    rows free, and every bind released (fails the test after ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        doc = status(server)
+        engines = doc["engines"]
+        if (
+            all(
+                e["mode"] == "dp"
+                and e["pending_binds"] == 0
+                and e["free_kv_slots"] == e["total_kv_slots"]
+                and e["free_req_rows"] == e["total_req_rows"]
+                for e in engines
+            )
+            and doc["totals"]["binds"] == doc["totals"]["releases"]
+        ):
+            return doc
+        assert time.monotonic() < deadline, f"not idle: {json.dumps(doc)[:2000]}"
+        time.sleep(0.3)
+
+
+def engine_counter(doc: dict, key: str) -> list:
+    """``key`` of every engine in a status document, by rank."""
+    return [e.get(key) for e in sorted(doc["engines"], key=lambda e: e["rank"])]
