@@ -12,13 +12,17 @@ Order of rules for one request:
 2. prompt + max_new_tokens beyond one engine's KV -> the smallest degree that fits, or a
    rejection naming the limit and the largest degree (the only 400 for length); a
    DP-only request that only a group holds is rejected naming the feature;
-3. priority at or above the threshold -> the largest degree (latency first);
+3. priority at or above the threshold -> the largest degree (latency first), unless
+   the measured step costs say a group of that degree is not faster than one engine
+   (``Costs``): then DP, and the reason says so;
    (rules 2-4 are off under the manual policy: only explicit headers bind groups);
 4. by policy: static-dp -> DP; static-tp -> the largest degree;
-   adaptive -> the largest degree while the node is lightly loaded, DP under load, with
-   hysteresis (enter TP below ``light_load``, leave above ``heavy_load`` requests per
-   engine) so the mode does not flap; only a caller that passes the engines' loads
-   gets a load-based answer (without them it is DP).
+   adaptive -> the largest degree while the node is lightly loaded *and* a group pays
+   (its measured decode step is at least ``tp_gain`` faster than one engine's), DP
+   otherwise; load has hysteresis (enter TP below ``light_load``, leave above
+   ``heavy_load`` requests per engine) so the mode does not flap; only a caller that
+   passes the engines' loads and step costs gets a TP answer (without them it is DP:
+   a group that has not been shown to pay is never chosen for latency).
 A DP-only request never gets a group from rules 3 and 4: it runs in DP, and the
 decision's reason names the feature.
 
@@ -123,11 +127,43 @@ class Node:
 
 
 @dataclass(frozen=True)
+class Costs:
+    """Measured step costs: decode step time in ms at batch size 1, per degree (1 = one
+    engine in DP), as the engines measure them (calibrated by the start-up probe and
+    updated online). A degree that is missing has not been measured yet."""
+
+    decode_ms: dict[int, float]
+
+    def gain(self, degree: int) -> float | None:
+        """How much faster a TP-``degree`` step is than one engine's (0.2 = 20 %
+        faster, negative = slower); None if either is unmeasured."""
+        dp, tp = self.decode_ms.get(1), self.decode_ms.get(degree)
+        if not dp or not tp:
+            return None
+        return 1.0 - tp / dp
+
+    def describe(self, degree: int) -> str:
+        return (
+            f"TP-{degree} decode step {self.decode_ms.get(degree, 0):.2f} ms vs "
+            f"{self.decode_ms.get(1, 0):.2f} ms on one engine"
+        )
+
+    @staticmethod
+    def from_json(doc: dict | None) -> Costs | None:
+        if doc is None:
+            return None
+        return Costs({int(k): float(v) for k, v in doc.get("decode_ms", {}).items()})
+
+
+@dataclass(frozen=True)
 class PolicyConfig:
     policy: str = "adaptive"
     priority_threshold: int = 1
     light_load: float = 0.5  # requests per engine below which adaptive enters TP
     heavy_load: float = 1.5  # requests per engine above which adaptive leaves TP
+    #: how much faster a group's decode step must be than one engine's for the policy
+    #: to choose it for latency (adaptive, priority); negative allows a slower group
+    tp_gain: float = 0.05
 
     def validate(self) -> PolicyConfig:
         if self.policy not in POLICIES:
@@ -169,7 +205,18 @@ class Policy:
         elif not self.light and per_engine < self.config.light_load:
             self.light = True
 
-    def decide(self, req: Request, loads: list[EngineLoad] | None = None) -> Decision:
+    def pays(self, degree: int, costs: Costs | None) -> tuple[bool, str]:
+        """(whether a TP-``degree`` group pays for latency, why not)."""
+        gain = costs.gain(degree) if costs is not None else None
+        if gain is None:
+            return False, f"no measured TP-{degree} step cost yet"
+        if gain < self.config.tp_gain:
+            return False, f"{costs.describe(degree)}: a group does not pay here"
+        return True, ""
+
+    def decide(
+        self, req: Request, loads: list[EngineLoad] | None = None, costs: Costs | None = None
+    ) -> Decision:
         largest = max(self.node.degrees, default=1)
         tokens = req.tokens
         need = self.fit_degree(tokens)
@@ -201,7 +248,14 @@ class Policy:
         if req.dp_only:  # priority and policy groups: DP, and say why
             return Decision("dp", 1, _dp_only(req))
         if largest > 1 and req.priority >= self.config.priority_threshold:
-            return Decision("tp", largest, "priority")
+            # Without costs (the HTTP process) the group is proposed; the controller,
+            # which sees the costs, keeps it only if it pays.
+            if costs is None:
+                return Decision("tp", largest, "priority")
+            pays, why = self.pays(largest, costs)
+            return Decision("tp", largest, "priority") if pays else Decision(
+                "dp", 1, f"priority: {why}; ran in DP"
+            )
         policy = self.config.policy
         if policy == "static-tp" and largest > 1:
             return Decision("tp", largest, "static-tp")
@@ -210,7 +264,11 @@ class Policy:
             # sees them (the DP controller): the answer is DP, i.e. "no TP mark".
             self.observe(loads)
             if self.light:
-                return Decision("tp", largest, "light load")
+                pays, why = self.pays(largest, costs)
+                if pays:
+                    return Decision("tp", largest, "light load")
+                return Decision("dp", 1, f"adaptive: {why}")
+            return Decision("dp", 1, "adaptive: heavy load")
         return Decision("dp", 1, policy)
 
     @staticmethod

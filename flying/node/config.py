@@ -59,6 +59,13 @@ class FlyingConfig:
     light_load: float = 0.5
     #: ...and go back to DP above this many.
     heavy_load: float = 1.5
+    #: How much faster (a fraction) a group's measured decode step must be than one
+    #: engine's for the policy to choose it for latency (adaptive light load, priority).
+    #: Negative allows a slower group (for experiments and tests).
+    tp_gain: float = 0.05
+    #: Where the DP controller appends its decision log (JSON lines: inputs, decision,
+    #: reason) for ``python -m scheduler.replay``; empty: no log.
+    decision_log: str = ""
     #: Whether a client may set its request's priority (``X-Priority`` and SGLang's body
     #: ``priority`` field): "trust" reads both; "ignore" drops both (SGLang's default
     #: priority applies), so only the operator's own tooling raises priority.
@@ -164,6 +171,8 @@ _HELP = {
     "preempt": "hard: pause members' DP requests (KV kept) for a bind; soft: let them finish first.",
     "light_load": "Adaptive policy: requests per engine below which engines group into TP.",
     "heavy_load": "Adaptive policy: requests per engine above which engines return to DP.",
+    "tp_gain": "How much faster a group's measured step must be than one engine's to pick it for latency (0.05 = 5 %).",
+    "decision_log": "File the controller appends its decisions to (JSON lines, for python -m scheduler.replay).",
     "experimental_cuda_groups": "Allow TP groups on CUDA engines (unverified; off by default).",
     "client_priority": "trust: clients set priority (X-Priority, body priority); ignore: both dropped.",
     "client_tp": "trust: clients may force a TP group with X-Flying-TP; ignore: the header is dropped.",

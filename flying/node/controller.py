@@ -19,7 +19,7 @@ import logging
 import time
 import uuid
 
-from flying.node import placement_log
+from flying.node import costs_reader, placement_log
 from flying.node.config import get_config
 from flying.session.messages import Bind, read_mark
 from flying.substrate.layout import Group, groups_of
@@ -116,6 +116,8 @@ def binds_for(controller, req) -> list[tuple[int, Bind]]:
                        "dispatching in DP", req.rid, degree, issuer.degrees)
         return []
     cfg = get_config()
+    if degree and marker.reason == "priority" and not _priority_pays(controller, req):
+        return []
     if degree and marker.reason == "priority" and cfg.priority_max_paused >= 0:
         group = _priority_group(controller, req, degree, cfg.priority_max_paused)
         if group is None:
@@ -180,22 +182,59 @@ def _groups_open(controller) -> bool:
     return controller._flying_gate.open()
 
 
-def _adaptive_degree(controller, req) -> int:
-    policy = _policy(controller)
-    if policy is None or not _groups_open(controller):
-        return 0
+def _decide(controller, req, priority: int):
+    """The policy's decision for ``req`` from the engines' loads and measured step
+    costs, appended to the decision log when one is configured."""
     from flying.node.placement import loads_of, request_of
 
+    policy = _policy(controller)
     loads = loads_of(controller.load_snapshot_reader.read_all())
+    costs = _costs(controller).read()
+    request = request_of(len(req.input_ids or ()), req.sampling_params, priority, 0)
     was_light = policy.light
-    decision = policy.decide(
-        request_of(len(req.input_ids or ()), req.sampling_params, req.priority, 0), loads
-    )
+    decision = policy.decide(request, loads, costs)
     if policy.light != was_light:
         logger.info(
             "flying: adaptive policy -> %s (%d requests on %d engines)",
-            "TP (light load)" if policy.light else "DP (heavy load)",
-            sum(e.requests for e in loads),
-            len(loads),
+            "light load" if policy.light else "heavy load",
+            sum(e.requests for e in loads), len(loads),
         )
+    _decision_log(controller).write(req.rid, request, loads, costs, decision)
+    return decision
+
+
+def _priority_pays(controller, req) -> bool:
+    """A priority request keeps its group only where a group is faster per step than
+    one engine (measured); otherwise it runs in DP and the reason is recorded."""
+    policy = _policy(controller)
+    if policy is None:
+        return True
+    decision = _decide(controller, req, max(int(req.priority or 0), policy.config.priority_threshold))
+    if decision.mode == "tp":
+        return True
+    logger.info("flying: request %s: %s", req.rid, decision.reason)
+    _record(controller, req.rid, 0, decision.reason)
+    return False
+
+
+def _adaptive_degree(controller, req) -> int:
+    if _policy(controller) is None or not _groups_open(controller):
+        return 0
+    decision = _decide(controller, req, int(req.priority or 0))
     return decision.degree if decision.mode == "tp" else 0
+
+
+def _costs(controller) -> costs_reader.CostsReader:
+    if getattr(controller, "_flying_costs", None) is None:
+        controller._flying_costs = costs_reader.CostsReader(
+            _store(controller), controller.server_args.dp_size
+        )
+    return controller._flying_costs
+
+
+def _decision_log(controller) -> costs_reader.DecisionLog:
+    if getattr(controller, "_flying_decisions", None) is None:
+        controller._flying_decisions = costs_reader.DecisionLog(
+            get_config().decision_log, _policy(controller)
+        )
+    return controller._flying_decisions

@@ -44,7 +44,9 @@ def make_policy(num_engines: int, max_req_input_len: int, context_len: int = 0) 
         context_limit=max(0, context_len - 1),
     )
     return Policy(
-        PolicyConfig(cfg.policy, cfg.priority_threshold, cfg.light_load, cfg.heavy_load).validate(),
+        PolicyConfig(
+            cfg.policy, cfg.priority_threshold, cfg.light_load, cfg.heavy_load, cfg.tp_gain
+        ).validate(),
         node,
     )
 

@@ -25,7 +25,8 @@ logger = logging.getLogger(__name__)
 GATE_KEY = "flying/groups"
 PROBE_HEADER = "x-flying-probe"
 PROBING, OPEN = "probing", "open"
-PROBE_TOKENS = 8
+#: Enough decode steps for the engines to measure a step in each mode (step costs).
+PROBE_TOKENS = 16
 #: Token ids of the probe prompt: plain ids every tokenizer of a real model has.
 PROBE_PROMPT = [11, 42, 7, 300, 5, 99, 64, 128, 3, 250, 17, 81]
 

@@ -45,6 +45,7 @@ from flying.session.faults import FaultSwitch
 from flying.session.group import DP, GroupSession, Mode, State
 from flying.session.messages import Bind
 from flying.session.status import SESSION_BUCKETS_S, SWITCH_BUCKETS_MS, bucket_index
+from flying.session.step_costs import StepClock, sample_degree
 from flying.substrate.comm_pool import CommPool
 
 logger = logging.getLogger(__name__)
@@ -112,6 +113,7 @@ class FlyingEngine:
         #: SGLang at the next input boundary, ahead of what arrives then.
         self.deferred: list = []
         self.counters = EngineCounters()
+        self.clock = StepClock()  # measured decode step costs per degree
         self.session: GroupSession | None = None
         #: degree -> the objects a group of that degree needs, built at start-up
         self.prepared: dict[int, tp_scope.Prepared] = {}
@@ -173,7 +175,19 @@ class FlyingEngine:
     # -- the step boundary ------------------------------------------------------------
 
     def next_batch(self, scheduler, original):
-        """SGLang's ``get_next_batch_to_run`` for this step (the engine is in DP state)."""
+        """SGLang's ``get_next_batch_to_run`` for this step (the engine is in DP state);
+        the interval to the next boundary is this step's measured cost."""
+        started = self.clock.boundary()
+        plan = self._next_batch(scheduler, original)
+        s = self.session
+        if s is not None and s.scope.entered:
+            degree, interleaved = s.bind.degree, bool(s.shared.dp_waiting)
+        else:
+            degree, interleaved = 1, s is not None
+        self.clock.label(sample_degree(plan.batch_to_run, degree, interleaved), started)
+        return plan
+
+    def _next_batch(self, scheduler, original):
         s = self.session
         if s is None and self.pending and not self.draining_blocks(scheduler):
             s = self._bind(scheduler, self.pending.popleft())

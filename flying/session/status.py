@@ -34,6 +34,7 @@ def publish(store, dp_rank: int, engine, scheduler=None) -> None:
         "degrees": sorted(engine.pool.members) if engine.pool else [],
         "pending_binds": len(engine.pending),
         "draining": engine.draining,
+        "decode_ms": engine.clock.decode_ms(),  # measured single-request decode step, per degree
         **asdict(engine.counters),
     }
     store.set(f"flying/status/{dp_rank}", json.dumps(doc))

@@ -56,6 +56,10 @@ def adaptive_server(demo_model_dir, tmp_path_factory):
     yield from serve(
         tmp_path_factory.mktemp("fuzz") / "server.log", "--model-path", str(demo_model_dir),
         "--dp-size", "2", "--max-total-tokens", str(MAX_TOTAL_TOKENS),
+        # A TP-2 group is slower per step than one engine on the demo model, so the
+        # adaptive policy would keep it in DP; a negative gain lets the storm exercise
+        # groups on the whole request surface.
+        "--flying-tp-gain", "-10",
     )
 
 

@@ -7,6 +7,7 @@ import itertools
 import pytest
 
 from scheduler.policy import (
+    Costs,
     Decision,
     EngineLoad,
     Node,
@@ -24,6 +25,11 @@ NODE = Node(num_engines=4, degrees=(2, 4), engine_capacity=1000)
 
 def policy(kind="adaptive", **kw) -> Policy:
     return Policy(PolicyConfig(kind, **kw).validate(), NODE)
+
+
+#: measured step costs where a group pays (TP-4 30 % faster) and where it does not
+FAST = Costs({1: 10.0, 2: 8.0, 4: 7.0})
+SLOW = Costs({1: 10.0, 2: 12.0, 4: 14.0})
 
 
 def loads(*per_engine: int) -> list[EngineLoad]:
@@ -88,11 +94,43 @@ def test_static_policies():
 
 def test_adaptive_hysteresis_does_not_flap():
     p = policy(light_load=0.5, heavy_load=1.5)
-    assert p.decide(Request(10, 10), loads(0, 0, 0, 0)).mode == "tp"
-    assert p.decide(Request(10, 10), loads(1, 1, 1, 1)).mode == "tp"  # between: stay
-    assert p.decide(Request(10, 10), loads(2, 2, 2, 2)).mode == "dp"  # above heavy
-    assert p.decide(Request(10, 10), loads(1, 1, 1, 1)).mode == "dp"  # between: stay
-    assert p.decide(Request(10, 10), loads(0, 0, 0, 1)).mode == "tp"  # below light
+    assert p.decide(Request(10, 10), loads(0, 0, 0, 0), FAST).mode == "tp"
+    assert p.decide(Request(10, 10), loads(1, 1, 1, 1), FAST).mode == "tp"  # between: stay
+    assert p.decide(Request(10, 10), loads(2, 2, 2, 2), FAST).mode == "dp"  # above heavy
+    assert p.decide(Request(10, 10), loads(1, 1, 1, 1), FAST).mode == "dp"  # between: stay
+    assert p.decide(Request(10, 10), loads(0, 0, 0, 1), FAST).mode == "tp"  # below light
+
+
+def test_adaptive_picks_tp_for_latency_only_where_a_group_pays():
+    p = policy()
+    assert p.decide(Request(10, 10), loads(0, 0, 0, 0), FAST) == Decision("tp", 4, "light load")
+    d = p.decide(Request(10, 10), loads(0, 0, 0, 0), SLOW)
+    assert d.mode == "dp" and "does not pay" in d.reason and "14.00 ms" in d.reason
+    d = p.decide(Request(10, 10), loads(0, 0, 0, 0), None)  # not measured yet: DP
+    assert d.mode == "dp" and "no measured" in d.reason
+    d = p.decide(Request(10, 10), loads(0, 0, 0, 0), Costs({1: 10.0}))
+    assert d.mode == "dp" and "no measured TP-4" in d.reason
+    # 3 % faster is below the default 5 % gain; a config may ask for less (or allow slower)
+    barely = Costs({1: 10.0, 4: 9.7})
+    assert p.decide(Request(10, 10), loads(0, 0, 0, 0), barely).mode == "dp"
+    assert policy(tp_gain=0.0).decide(Request(10, 10), loads(0, 0, 0, 0), barely).mode == "tp"
+    assert policy(tp_gain=-1.0).decide(Request(10, 10), loads(0, 0, 0, 0), SLOW).mode == "tp"
+
+
+def test_priority_keeps_its_group_only_where_it_pays():
+    p = policy("static-dp")
+    assert p.decide(Request(10, 10, priority=1), loads(0, 0, 0, 0), FAST).mode == "tp"
+    d = p.decide(Request(10, 10, priority=1), loads(0, 0, 0, 0), SLOW)
+    assert d.mode == "dp" and d.reason.startswith("priority:")
+    # long context and explicit degrees do not depend on costs
+    assert p.decide(Request(1500, 10), loads(0, 0, 0, 0), SLOW).mode == "tp"
+    assert p.decide(Request(10, 10, explicit_degree=2), None, SLOW).mode == "tp"
+
+
+def test_costs_roundtrip_json():
+    assert Costs.from_json({"decode_ms": {"1": 10.0, "2": 8.0}}) == Costs({1: 10.0, 2: 8.0})
+    assert Costs.from_json(None) is None
+    assert FAST.gain(2) == pytest.approx(0.2) and SLOW.gain(3) is None
 
 
 def test_no_degrees_means_dp_or_reject():
@@ -125,10 +163,14 @@ def test_replay_reproduces_and_detects_changes():
     for i, per in enumerate([0, 0, 2, 2, 1, 0, 0]):
         req = Request(10 * (i + 1), 10, priority=i % 2)
         ld = loads(per, per, per, per)
-        events.append(record(req, ld, p.decide(req, ld)))
-    assert replay(events, PolicyConfig(), NODE) == []
-    diffs = replay(events, PolicyConfig(policy="static-dp"), NODE)
-    assert diffs and all(want.mode == "tp" and got.mode == "dp" for _, want, got in diffs)
+        costs = FAST if i < 5 else SLOW
+        events.append(record(req, ld, p.decide(req, ld, costs), costs, rid=f"r{i}"))
+    assert replay(events, PolicyConfig(), NODE) == (7, [])
+    n, diffs = replay(events, PolicyConfig(policy="static-dp"), NODE)
+    assert n == 7 and diffs and all(got.mode == "dp" for _, _, got in diffs)
+    assert any(want.mode == "tp" for _, want, _ in diffs)
+    n, diffs = replay(events, PolicyConfig(tp_gain=0.5), NODE)  # a stricter gain: fewer groups
+    assert diffs and all(got.mode == "dp" for _, _, got in diffs)
 
 
 def test_invalid_config():

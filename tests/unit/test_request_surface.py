@@ -4,6 +4,7 @@ placement log's key hygiene, and the controller hook's containment."""
 
 from __future__ import annotations
 
+import json
 import random
 import string
 from types import SimpleNamespace
@@ -13,7 +14,7 @@ import pytest
 from flying.node import config, placement, placement_log, request_tags
 from flying.node import controller as flying_controller
 from flying.session import messages
-from scheduler.policy import Node, Policy, PolicyConfig, Request, least_loaded_group
+from scheduler.policy import Costs, Node, Policy, PolicyConfig, Request, least_loaded_group
 
 pytestmark = pytest.mark.unit
 
@@ -242,7 +243,8 @@ def test_none_is_placed_by_its_prompt_alone():
     d = p.decide(Request(4000, None))
     assert d.mode == "reject" and "prompt of 4000 tokens" in d.reason
     assert p.decide(Request(10, None, explicit_degree=2)).mode == "tp"
-    assert _policy().decide(Request(10, None), loads=[]).mode == "tp"  # adaptive, idle
+    fast = Costs({1: 10.0, 2: 8.0, 4: 7.0})
+    assert _policy().decide(Request(10, None), loads=[], costs=fast).mode == "tp"  # adaptive, idle
 
 
 def test_dp_only_feature_rules():
@@ -443,14 +445,20 @@ def test_demotion_reason_travels():
 # -- the controller and its hook ---------------------------------------------------------
 
 
+#: engines' measured decode step per degree (ms): a group pays (TP-2 20 % faster)
+FAST_STEPS = {"1": 10.0, "2": 8.0}
+
+
 class FakeController:
-    def __init__(self, loads=(0, 0), policy=None):
+    def __init__(self, loads=(0, 0), policy=None, decode_ms=FAST_STEPS):
         self.server_args = SimpleNamespace(dp_size=len(loads))
         self.max_req_input_len = 994
         self._loads = loads
         self.load_snapshot_reader = SimpleNamespace(read_all=self._read)
         self.workers = [f"sock{i}" for i in range(len(loads))]
         self._flying_store = FakeStore()
+        for r in range(len(loads)):
+            self._flying_store.set(f"flying/status/{r}", json.dumps({"rank": r, "decode_ms": decode_ms}))
         self.sent: list = []
         self.dispatched_dp: list = []
         flying_controller.attach(self)
@@ -563,7 +571,7 @@ def test_dispatcher_sees_aborts(cfg):
     seen = []
     wrapped = hook._SeesAborts(ctl, seen.append)
     wrapped(AbortReq(rid="gone-1"))
-    assert ctl._flying_store.data == {} and len(seen) == 1
+    assert not [k for k in ctl._flying_store.data if k.startswith("flying/placed/")] and len(seen) == 1
 
 
 # -- HTTP surface ------------------------------------------------------------------------
@@ -618,7 +626,7 @@ def test_replay_roundtrips_none_and_dp_only():
     p = _policy("static-dp")
     reqs = [Request(10, None), Request(1500, None), Request(10, 5, priority=3, dp_only="x")]
     lines = [record(r, None, p.decide(r)) for r in reqs]
-    assert replay(lines, PolicyConfig("static-dp"), NODE) == []
+    assert replay(lines, PolicyConfig("static-dp"), NODE) == (3, [])
 
 
 def test_explicit_tp_waits_for_the_start_up_probe(cfg, monkeypatch):
@@ -633,3 +641,26 @@ def test_explicit_tp_waits_for_the_start_up_probe(cfg, monkeypatch):
     monkeypatch.setitem(probe._STATE, "gate", "closed:the start-up probe failed: x")
     with pytest.raises(ValueError, match="TP groups are off on this node"):
         request_tags.tag_request(_gen(), {"x-flying-tp": "2"})
+
+
+def test_controller_keeps_groups_only_where_they_pay_and_logs_replayable_decisions(
+    cfg, tmp_path
+):
+    from scheduler import replay
+
+    log = tmp_path / "decisions.jsonl"
+    cfg(policy="adaptive", decision_log=str(log))
+    slow = FakeController(decode_ms={"1": 10.0, "2": 13.0})
+    assert flying_controller.binds_for(slow, _tok()) == []  # a group is slower: DP
+    prio = _tok(routing_key=messages.mark(None, 2, "priority"), priority=1)
+    assert flying_controller.binds_for(slow, prio) == []  # priority too
+    degree, reason = placement_log._parse(slow._flying_store.data["flying/placed/" + prio.rid])
+    assert degree == 0 and "does not pay" in reason
+    unmeasured = FakeController(decode_ms={})
+    assert flying_controller.binds_for(unmeasured, _tok()) == []
+    fast = FakeController()
+    assert flying_controller.binds_for(fast, _tok())
+    lines = log.read_text().splitlines()
+    assert len(lines) == 2  # the last controller's log: its header and one decision
+    assert replay.main([str(log)]) == 0
+    assert replay.main([str(log), "--config", '{"tp_gain": 0.5}']) == 1

@@ -1,0 +1,62 @@
+"""Measured step costs: how long one decode step takes in each mode, on this engine.
+
+The policy picks a TP group for latency only where a group's step is measurably faster
+than one engine's (``scheduler.policy.Costs``). The engines measure it themselves, as
+the interval between consecutive step boundaries (formation, forward, sampling, output
+processing, and for a group its exchange and state switch: everything a request waits
+for per token), for single-request decode steps, in an exponential moving average per
+TP degree (1 = DP). The start-up probe's requests calibrate it (one per degree, in a
+group and in DP); serving traffic keeps it current. TP steps with DP steps interleaved
+are not counted (their interval includes another batch's work).
+"""
+
+from __future__ import annotations
+
+import time
+
+#: Weight of the newest sample in the moving average.
+ALPHA = 0.2
+#: Steps longer than this are not samples of a step (an engine stalled or slept).
+MAX_SAMPLE_S = 5.0
+
+
+class StepClock:
+    """Single-request decode step time per degree: ``decode_ms()`` -> {degree: ms}."""
+
+    def __init__(self) -> None:
+        self._ms: dict[int, float] = {}
+        self._samples: dict[int, int] = {}
+        self._open: tuple[int, float] | None = None  # (degree, started) of a counted step
+
+    def boundary(self) -> float:
+        """A step boundary starts: close the step in progress (if it was a sample) at
+        this instant; returns the instant, the start of the step being formed."""
+        now = time.perf_counter()
+        if self._open is not None:
+            deg, started = self._open
+            if now - started <= MAX_SAMPLE_S:
+                self.record(deg, (now - started) * 1e3)
+        self._open = None
+        return now
+
+    def label(self, degree: int | None, started: float) -> None:
+        """The step that started at ``started`` is a sample of ``degree`` (None: not)."""
+        self._open = (degree, started) if degree is not None else None
+
+    def record(self, degree: int, ms: float) -> None:
+        old = self._ms.get(degree)
+        self._ms[degree] = ms if old is None else old + ALPHA * (ms - old)
+        self._samples[degree] = self._samples.get(degree, 0) + 1
+
+    def decode_ms(self) -> dict[int, float]:
+        return {d: round(ms, 4) for d, ms in sorted(self._ms.items())}
+
+    def samples(self) -> dict[int, int]:
+        return dict(sorted(self._samples.items()))
+
+
+def sample_degree(batch, degree: int, interleaved: bool) -> int | None:
+    """The degree a step of ``batch`` is a sample of: single-request decode steps only."""
+    if batch is None or interleaved or len(batch.reqs) != 1:
+        return None
+    return degree if batch.forward_mode.is_decode() else None
