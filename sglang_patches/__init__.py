@@ -88,6 +88,12 @@ PATCHES: tuple[Patch, ...] = (
         "sglang_patches.scheduler:process_batch_result",
         "contain a failed TP step's output processing",
     ),
+    Patch(
+        "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer.is_request_level_customized_info_key",
+        "around",
+        "sglang_patches.output_streamer:is_request_level_customized_info_key",
+        "where a request ran travels once per request with its output (customized_info)",
+    ),
     # -- global scheduler (sglang.srt.managers.data_parallel_controller) --
     Patch(
         "sglang.srt.managers.data_parallel_controller.DataParallelController.__init__",

@@ -17,6 +17,7 @@ import logging
 from flying.node.metrics import count_finished, observe_finished
 from flying.node.request_tags import (
     degree_of,
+    engine_report,
     place,
     placement,
     request_ended,
@@ -64,8 +65,8 @@ async def handle_batch_output(original, manager, recv_obj):
 
 def _report(state) -> None:
     meta = state.out_list[-1].get("meta_info")
-    if isinstance(meta, dict) and "flying" not in meta:
-        degree, reason = where_it_ran(state.obj, meta)
+    if isinstance(meta, dict) and not isinstance(meta.get("flying"), dict):
+        degree, reason = engine_report(state) or where_it_ran(state.obj, meta)
         info = placement(degree, meta.get("dp_rank"), reason)
         if info is not None:
             meta["flying"] = info

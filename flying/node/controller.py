@@ -123,9 +123,7 @@ def binds_for(controller, req) -> list[tuple[int, Bind]]:
         if group is None:
             return []
     elif not degree and not feature and cfg.policy == "adaptive":
-        degree = _adaptive_degree(controller, req)
-        if degree:  # tell the HTTP process, for meta_info["flying"]
-            _record(controller, req.rid, degree)
+        degree = _adaptive_degree(controller, req)  # the group's leader reports it
     return issuer.make_binds(req, degree, group) if degree else []
 
 

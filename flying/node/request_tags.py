@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from flying.node import probe
 from flying.node.config import get_config
 from flying.session.messages import check_routing_key, mark, read_mark
+from flying.session.report import REPORT_KEY
 
 logger = logging.getLogger(__name__)
 
@@ -235,16 +236,15 @@ def place(obj, input_ids, manager) -> None:
         if not explicit:
             why = {"long context": "long", "priority": "priority"}.get(decision.reason, "policy")
             obj.routing_key = mark(marker.user_key, decision.degree, why)
-        if decision.reason == "priority" and cfg.priority_max_paused >= 0:
-            expect_controller(obj)  # the controller may keep it in DP (members too busy)
+        if decision.reason == "priority":
+            # the controller may keep it in DP (a group that does not pay, members busy)
+            expect_controller(obj)
         return
     if feature:
         setattr(obj, _NOTE, decision.reason)
         if int(obj.priority or 0) >= cfg.priority_threshold or cfg.policy == "static-tp":
             logger.info("flying: request %s runs in DP: %s", obj.rid, decision.reason)
         return
-    if cfg.policy == "adaptive":
-        expect_controller(obj)  # the controller may place it in a group by load
 
 
 def expect_controller(obj) -> None:
@@ -278,15 +278,13 @@ def degree_of(obj) -> int:
 
 def where_it_ran(obj, meta: dict) -> tuple[int, str]:
     """(TP degree, reason) of a request: degree 0 or 1 is DP; the reason says why a
-    request ran in DP although it asked for more ("" otherwise). From its mark, or the
-    controller's record when the controller decided (adaptive, bounded priority)."""
+    request ran in DP although it asked for more ("" otherwise). The engine's own report
+    wins (``engine_report``: a group's leader, or a group that failed or did not form);
+    otherwise from its mark, or the controller's record for a priority request the
+    controller kept in DP."""
     marker = read_mark(getattr(obj, "routing_key", None))
     note = getattr(obj, _NOTE, "") or ""
-    cfg = get_config()
-    consult = (marker.reason == "priority" and cfg.priority_max_paused >= 0) or (
-        not marker.degree and not note and cfg.policy == "adaptive" and bool(cfg.degree_list())
-    )
-    if not consult:
+    if marker.reason != "priority":
         return marker.degree, note
     from flying.node import placement_log
     from flying.substrate.comm_pool import hosted_store
@@ -334,3 +332,13 @@ def placement(degree: int, dp_rank: int | None, reason: str = "") -> dict | None
     if node := get_config().node_name:
         info["node"] = node
     return info
+
+
+def engine_report(state) -> tuple[int, str] | None:
+    """(degree, reason) an engine reported for this request (``customized_info``,
+    delivered by SGLang with the request's output), or None."""
+    reported = (getattr(state, "customized_info_accumulated", None) or {}).get(REPORT_KEY)
+    if not reported or not isinstance(reported[-1], dict):
+        return None
+    last = reported[-1]
+    return int(last.get("degree", 1)), str(last.get("reason", ""))

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from flying.session import aborts, admission, containment, exchange, status, tp_scope
+from flying.session import aborts, admission, containment, exchange, report, status, tp_scope
 from flying.session.aborts import AbortBook
 from flying.session.faults import FaultSwitch
 from flying.session.group import DP, GroupSession, Mode, State
@@ -323,6 +323,7 @@ class FlyingEngine:
             elif is_leader:  # the group could not form: serve the request in DP instead
                 self.counters.rerun_in_dp += 1
                 scheduler.handle_generate_request(bind.req)
+                report.mark(scheduler, bind.req.rid, 1, f"TP-{bind.degree} group did not form: {verdict.reason}")
             return None
         member = self.pool.member(bind.degree)
         self.counters.binds += 1
@@ -458,6 +459,7 @@ class FlyingEngine:
         for req in rerun:  # leader only: nothing was streamed, so DP answers instead
             self.counters.rerun_in_dp += 1
             scheduler.handle_generate_request(req)
+            report.mark(scheduler, req.rid, 1, f"re-run in DP: the TP-{s.bind.degree} group failed")
         c = self.counters
         c.releases += 1
         c.tp_requests += len(s.scope.tokenized)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from flying.session import report
 from flying.substrate import kv_adaptor
 from flying.substrate.toggle import Toggle
 from flying.substrate.weight_views import build_shards, layer_toggle
@@ -208,6 +209,7 @@ class Scope:
         self.tokenized[req.rid] = req
         self.handed.add(req.rid)
         scheduler.handle_generate_request(req)
+        report.mark(scheduler, req.rid, self.prepared.degree)
 
     def grow(self, reservation) -> None:
         """Add a reservation's sub-slots to the TP allocator (while entered)."""
