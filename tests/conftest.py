@@ -36,11 +36,15 @@ def demo_server(
     """The demo model on 2 engines, for a fixture.
 
     Normal requests stay DP (``static-dp``: deterministic routing for the tests);
-    priority and long-context requests still switch to TP.
+    priority and long-context requests still switch to TP. A TP-2 group is slower per
+    step than one engine on the demo model, so the policy would keep priority requests
+    in DP; ``--flying-tp-gain -10`` lets them into groups, whose mechanics these tests
+    exercise (``test_adaptive`` runs the measured-cost policy with its default).
     """
     yield from serve(
         log, "--model-path", str(model_dir), "--dp-size", "2",
-        "--max-total-tokens", str(MAX_TOTAL_TOKENS), "--flying-policy", "static-dp", *extra,
+        "--max-total-tokens", str(MAX_TOTAL_TOKENS), "--flying-policy", "static-dp",
+        "--flying-tp-gain", "-10", *extra,
         env=env,
     )
 

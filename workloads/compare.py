@@ -86,6 +86,17 @@ def run_args(
     raise ValueError(f"unknown run {name!r}; known: {', '.join(RUN_NAMES)}")
 
 
+def _save_status(url: str, path: Path) -> None:
+    """Flying's engine counters after the replay (switches, steps), if the server has them."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url + "/flying/status", timeout=30) as resp:
+            path.write_bytes(resp.read())
+    except Exception as exc:  # noqa: BLE001 - static layouts without Flying's routes
+        log(f"no /flying/status: {exc}")
+
+
 def launcher_notes(log_path: Path) -> list[str]:
     """Defaults the launcher added (its "adding --x" lines) and Flying's resolved degrees."""
     notes: list[str] = []
@@ -140,6 +151,8 @@ def run_one(
             if server.proc.poll() is not None:
                 result.error = f"server exited with code {server.proc.returncode} during replay"
                 result.log_tail = server.log_tail()
+            else:
+                _save_status(server.url, run_dir / "status.json")
         finally:
             server.stop()
             log(f"{name}: server stopped")

@@ -24,7 +24,7 @@ def _binds(server) -> int:
 
 def _alive(server) -> None:
     assert requests.get(server.url + "/health", timeout=30).status_code == 200
-    body = server.post("/generate", {"text": "ok", "sampling_params": {"max_new_tokens": 2}})
+    body = server.post("/generate", {"text": "ok", "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}})
     assert body.status_code == 200, body.text
     assert body.json()["meta_info"]["completion_tokens"] == 2
 

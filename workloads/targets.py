@@ -1,0 +1,133 @@
+"""The switching targets, as ratios of one comparison run (static DP, static TP, Flying).
+
+Reads what ``python -m workloads.compare`` wrote (one directory per run, same trace, one
+after another on the same machine) and prints, for Flying against the static layouts:
+
+- burst-phase TTFT p90 / static DP (target <= 1.10);
+- quiet-phase TTFT p50 and TPOT p50 / the better static layout (target <= 1.05);
+- output throughput / static DP (target >= 0.98);
+- priority requests' TTFT p90 against both static layouts (target: below both);
+- P99 inter-token latency and the longest inter-token gap (the longest pause a running
+  request saw) / static DP (target <= 1.5);
+- Flying's switches (binds), DP steps run between group steps, and TP requests.
+
+    python -m workloads.targets results/compare-cpu-burst [--burst burst --quiet low]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from workloads.records import RequestRecord, load_records
+
+RUNS = ("static-dp", "static-tp", "flying")
+
+
+def _pct(values: Sequence[float], q: float) -> float | None:
+    return float(np.percentile(np.asarray(values), q)) * 1e3 if len(values) else None
+
+
+def _stat(records: list[RequestRecord], pick: Callable[[RequestRecord], bool], metric: str,
+          q: float) -> float | None:
+    ok = [r for r in records if r.success and pick(r)]
+    if metric == "ttft":
+        return _pct([r.ttft_s for r in ok if r.ttft_s is not None], q)
+    if metric == "tpot":
+        return _pct([r.tpot_s for r in ok if r.tpot_s is not None], q)
+    if metric == "itl":
+        return _pct([g for r in ok for g in r.itl_s], q)
+    if metric == "itl_max":
+        gaps = [g for r in ok for g in r.itl_s]
+        return max(gaps) * 1e3 if gaps else None
+    raise ValueError(metric)
+
+
+def _throughput(records: list[RequestRecord]) -> float | None:
+    spans = [(r.send_s, r.end_s) for r in records if r.send_s is not None and r.end_s is not None]
+    if not spans:
+        return None
+    span = max(e for _, e in spans) - min(s for s, _ in spans)
+    return sum(r.output_tokens for r in records if r.success) / span if span > 0 else None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def _fmt(x: float | None, digits: int = 1) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def rows(records: dict[str, list[RequestRecord]], burst: str, quiet: str) -> list[tuple]:
+    """(target, static DP, static TP, Flying, ratio, goal, met) per target."""
+    out = []
+
+    def add(name, metric, q, pick, goal, against="dp"):
+        dp, tp, fl = (_stat(records[r], pick, metric, q) for r in RUNS)
+        base = {"dp": dp, "best": min(v for v in (dp, tp) if v is not None) if dp or tp else None}[against]
+        ratio = _ratio(fl, base)
+        out.append((name, dp, tp, fl, ratio, goal, None if ratio is None else ratio <= goal))
+
+    add(f"TTFT p90, phase={burst} (ms)", "ttft", 90, lambda r: r.phase == burst, 1.10)
+    add(f"TTFT p50, phase={quiet} (ms)", "ttft", 50, lambda r: r.phase == quiet, 1.05, "best")
+    add(f"TPOT p50, phase={quiet} (ms)", "tpot", 50, lambda r: r.phase == quiet, 1.05, "best")
+    add("ITL p99 (ms)", "itl", 99, lambda r: True, 1.5)
+    add("longest inter-token gap (ms)", "itl_max", 100, lambda r: True, 1.5)
+    dp, tp, fl = (_throughput(records[r]) for r in RUNS)
+    ratio = _ratio(fl, dp)
+    out.append(("output throughput (tok/s)", dp, tp, fl, ratio, 0.98,
+                None if ratio is None else ratio >= 0.98))
+    prio = [_stat(records[r], lambda r: r.priority == "high", "ttft", 90) for r in RUNS]
+    if prio[2] is not None:
+        best = min(v for v in prio[:2] if v is not None)
+        out.append(("priority TTFT p90 (ms)", *prio, _ratio(prio[2], best), 1.0, prio[2] < best))
+    return out
+
+
+def render(rows_: list[tuple]) -> str:
+    lines = [
+        "| target | static DP | static TP | Flying | Flying ratio | goal | met |",
+        "|---|---:|---:|---:|---:|---|---|",
+    ]
+    for name, dp, tp, fl, ratio, goal, met in rows_:
+        sign = ">=" if "throughput" in name else "<="
+        against = "best static" if "phase=" in name and ("p50" in name) else "static DP"
+        if name.startswith("priority"):
+            sign, against = "<", "both static"
+        lines.append(
+            f"| {name} | {_fmt(dp)} | {_fmt(tp)} | {_fmt(fl)} | {_fmt(ratio, 2)} | "
+            f"{sign} {goal:g}x {against} | {'-' if met is None else ('yes' if met else 'no')} |"
+        )
+    return "\n".join(lines)
+
+
+def flying_counters(out: Path) -> str:
+    """The Flying run's engine counters, if the comparison saved its final status."""
+    path = out / "flying" / "status.json"
+    if not path.is_file():
+        return ""
+    totals = json.loads(path.read_text()).get("totals", {})
+    keys = ("binds", "tp_requests", "tp_steps", "dp_steps_in_session", "faulted_sessions")
+    return ", ".join(f"{k} {totals[k]}" for k in keys if k in totals)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out", type=Path, help="a workloads.compare output directory")
+    ap.add_argument("--burst", default="burst", help="phase name of the bursts")
+    ap.add_argument("--quiet", default="low", help="phase name of the quiet periods")
+    args = ap.parse_args(argv)
+    records = {r: load_records(args.out / r / "records.jsonl") for r in RUNS}
+    print(render(rows(records, args.burst, args.quiet)))
+    counters = flying_counters(args.out)
+    if counters:
+        print(f"\nFlying engines (summed over engines): {counters}")
+
+
+if __name__ == "__main__":
+    main()
