@@ -189,10 +189,13 @@ class FlyingEngine:
 
     def _next_batch(self, scheduler, original):
         s = self.session
-        if s is None and self.pending and not self.draining_blocks(scheduler):
+        if s is None and self.pending:
+            was_draining = self.draining
+            if self.draining_blocks(scheduler):  # soft preemption: drain first
+                plan = self._drain_step(scheduler, original)
+                self.publish(scheduler, force=not was_draining, plan=plan)
+                return plan
             s = self._bind(scheduler, self.pending.popleft())
-        elif s is None and self.draining:
-            return self._drain_step(scheduler, original)
         if s is not None:
             s.dp_work = _has_dp_work(scheduler)
             if s.dp_turn and s.dp_work:
