@@ -22,37 +22,13 @@ from pathlib import Path
 import pytest
 import requests
 
+from tests.node import status, wait_idle
 from tests.reference import greedy_tokens, prompts
 
 pytestmark = pytest.mark.integration
 
 TP2 = {"X-Flying-TP": "2"}
 SHM = Path("/dev/shm")
-
-
-def _status(server) -> dict:
-    return requests.get(server.url + "/flying/status", timeout=30).json()
-
-
-def _idle(server, timeout: float = 60.0) -> dict:
-    """Status once every engine is in DP with all KV slots and request rows free."""
-    deadline = time.monotonic() + timeout
-    while True:
-        doc = _status(server)
-        engines = doc["engines"]
-        if (
-            all(
-                e["mode"] == "dp"
-                and e["pending_binds"] == 0
-                and e["free_kv_slots"] == e["total_kv_slots"]
-                and e["free_req_rows"] == e["total_req_rows"]
-                for e in engines
-            )
-            and doc["totals"]["binds"] == doc["totals"]["releases"]
-        ):
-            return doc
-        assert time.monotonic() < deadline, f"not idle: {json.dumps(doc)[:2000]}"
-        time.sleep(0.3)
 
 
 def _greedy(server, ids, n, headers=None, stream=False):
@@ -97,7 +73,7 @@ def test_sampled_request_in_a_group_is_a_sample_of_the_model(dp2_server, demo_mo
     allowed = _top_k_sets(demo_model_dir, ids, out, 2)
     outside = [i for i, (t, s) in enumerate(zip(out, allowed, strict=True)) if t not in s]
     assert not outside, f"{len(outside)} of {len(out)} tokens outside the model's top 2"
-    _idle(dp2_server)
+    wait_idle(dp2_server)
 
 
 def test_chat_without_max_tokens_in_a_group_equals_dp(dp2_server):
@@ -109,11 +85,11 @@ def test_chat_without_max_tokens_in_a_group_equals_dp(dp2_server):
     tp, dp = tp.json(), dp.json()
     assert tp["choices"][0]["message"]["content"] == dp["choices"][0]["message"]["content"]
     assert tp["usage"]["completion_tokens"] == dp["usage"]["completion_tokens"] > 0
-    _idle(dp2_server)
+    wait_idle(dp2_server)
 
 
 def test_disconnect_from_a_group_stream_ends_the_session(dp2_server):
-    before = _idle(dp2_server)["totals"]
+    before = wait_idle(dp2_server)["totals"]
     payload = {"input_ids": prompts(1, 8, seed=7)[0], "stream": True,
                "sampling_params": {"max_new_tokens": 1800, "temperature": 0, "ignore_eos": True}}
     with requests.post(dp2_server.url + "/generate", json=payload, headers=TP2, stream=True,
@@ -123,7 +99,7 @@ def test_disconnect_from_a_group_stream_ends_the_session(dp2_server):
         got = [next(lines) for _ in range(6)]
         assert any(line.startswith(b"data:") for line in got)
     t0 = time.monotonic()
-    doc = _idle(dp2_server, timeout=30)
+    doc = wait_idle(dp2_server, timeout=30)
     took = time.monotonic() - t0
     assert doc["totals"]["client_aborts"] > before["client_aborts"]
     # 1800 tokens take well over 5 s on this machine; the abort ends it within steps
@@ -139,7 +115,7 @@ def test_health_answers_while_a_session_runs(dp2_server):
     )
     worker.start()
     deadline = time.monotonic() + 30
-    while not any(e["mode"] == "tp2" for e in _status(dp2_server)["engines"]):
+    while not any(e["mode"] == "tp2" for e in status(dp2_server)["engines"]):
         assert time.monotonic() < deadline, "the session never showed in /flying/status"
         time.sleep(0.1)
     t0 = time.monotonic()
@@ -148,7 +124,7 @@ def test_health_answers_while_a_session_runs(dp2_server):
     assert time.monotonic() - t0 < 20.0  # SGLang's HEALTH_CHECK_TIMEOUT
     worker.join(timeout=300)
     assert result["r"].status_code == 200
-    _idle(dp2_server)
+    wait_idle(dp2_server)
 
 
 def _arm(server, stage: str, rank: int, after: int = 0) -> None:
@@ -165,7 +141,7 @@ def _segments() -> set[str]:
     [("bind", 1), ("scope", 0), ("step", 1), ("sample", 1), ("sample", 0), ("release", 0)],
 )
 def test_a_fault_in_a_session_stays_in_it(dp2_server, demo_model_dir, stage, rank):
-    before = _idle(dp2_server)
+    before = wait_idle(dp2_server)
     segments = _segments()
     ids = prompts(1, 10, seed=5)[0]
     want = greedy_tokens(demo_model_dir, ids, 12)
@@ -173,7 +149,7 @@ def test_a_fault_in_a_session_stays_in_it(dp2_server, demo_model_dir, stage, ran
     resp = _greedy(dp2_server, ids, 12, headers=TP2)
     assert resp.status_code == 200, resp.text  # nothing was sent yet: re-run in DP
     assert resp.json()["output_ids"] == want
-    after = _idle(dp2_server)
+    after = wait_idle(dp2_server)
     failed = after["totals"]["faulted_sessions"] + after["totals"]["aborted_binds"]
     assert failed > before["totals"]["faulted_sessions"] + before["totals"]["aborted_binds"]
     assert after["store_keys"] == before["store_keys"]
@@ -181,11 +157,11 @@ def test_a_fault_in_a_session_stays_in_it(dp2_server, demo_model_dir, stage, ran
     again = _greedy(dp2_server, ids, 12, headers=TP2).json()  # the group works again
     assert again["meta_info"]["flying"]["mode"] == "tp"
     assert again["output_ids"] == want
-    assert _idle(dp2_server)["store_keys"] == before["store_keys"]
+    assert wait_idle(dp2_server)["store_keys"] == before["store_keys"]
 
 
 def test_a_fault_after_tokens_were_streamed_ends_the_stream_with_an_error(dp2_server):
-    _idle(dp2_server)
+    wait_idle(dp2_server)
     _arm(dp2_server, "step", 1, after=20)
     payload = {"input_ids": prompts(1, 9, seed=9)[0], "stream": True,
                "sampling_params": {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}}
@@ -199,5 +175,5 @@ def test_a_fault_after_tokens_were_streamed_ends_the_stream_with_an_error(dp2_se
     last = chunks[-1]
     finish = (last.get("meta_info") or {}).get("finish_reason") or last.get("error") or {}
     assert "group failed" in json.dumps(finish), last
-    _idle(dp2_server)
+    wait_idle(dp2_server)
     assert dp2_server.generate_ids([5, 6, 7], 3)["meta_info"]["completion_tokens"] == 3

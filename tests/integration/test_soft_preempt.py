@@ -11,9 +11,9 @@ import threading
 import time
 
 import pytest
-import requests
 
 from tests.conftest import demo_server
+from tests.node import status
 from tests.reference import greedy_tokens, prompts
 
 pytestmark = pytest.mark.integration
@@ -23,10 +23,6 @@ pytestmark = pytest.mark.integration
 def soft_server(demo_model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("soft") / "server.log"
     yield from demo_server(demo_model_dir, log, "--flying-preempt", "soft")
-
-
-def _status(server) -> dict:
-    return requests.get(server.url + "/flying/status", timeout=30).json()
 
 
 def test_priority_request_waits_for_members_to_drain(soft_server, demo_model_dir):
@@ -43,7 +39,7 @@ def test_priority_request_waits_for_members_to_drain(soft_server, demo_model_dir
 
     def watch():
         while not stop.is_set():
-            if any(e.get("draining") for e in _status(soft_server)["engines"]):
+            if any(e.get("draining") for e in status(soft_server)["engines"]):
                 saw_draining.set()
             time.sleep(0.05)
 
@@ -72,6 +68,6 @@ def test_priority_request_waits_for_members_to_drain(soft_server, demo_model_dir
         assert done_at <= tp_done  # the DP requests were let finish first
         assert body["output_ids"] == greedy_tokens(demo_model_dir, dp_prompts[i], n_dp)
         assert body["meta_info"]["num_retractions"] == 0
-    doc = _status(soft_server)
+    doc = status(soft_server)
     assert doc["totals"]["preempted_dp_requests"] == 0
     assert doc["totals"]["binds"] >= 2
