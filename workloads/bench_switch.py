@@ -6,7 +6,7 @@
    bounded handshake, scope setup = entering TP mode) and the request's end-to-end
    latency; then the same prompts as plain DP requests.
 2. Vanilla SGLang ``--tp-size N --dp-size 1`` (through ``flying.node.launch``, so on the same
-   CPU platform) on the same prompts.
+   CPU platform) on the same prompts, up at the same time, requests interleaved.
 
 Prints a markdown table (and writes it with ``--out``). Not a test: numbers depend on the
 machine; the ratios are what to compare.
@@ -67,44 +67,51 @@ def _ms(values: list[float]) -> str:
 
 
 def run(model_args: list[str], engines: int, n: int, prompt_len: int, new: int, out: Path) -> str:
+    """Both servers up at once; each prompt goes to Flying's group, to vanilla SGLang's
+    TP and to one Flying engine in turn (interleaved, so drifts in the machine's speed hit
+    all three alike; an idle server sleeps, so only the one serving uses the cores)."""
     out.mkdir(parents=True, exist_ok=True)
     prompts = _prompts(n, prompt_len)
     split: dict[str, list[float]] = {"control_ms": [], "rendezvous_ms": [], "scope_setup_ms": []}
     tp_lat, dp_lat, vanilla_lat = [], [], []
-    server = _serve([*model_args, "--dp-size", str(engines), "--flying-policy", "manual"], out / "flying.log")
+    tp_hdr = {"X-Flying-TP": str(engines)}
+    flying = _serve([*model_args, "--dp-size", str(engines), "--flying-policy", "manual"],
+                    out / "flying.log")
     try:
-        url = server.url
-        _post(url + "/generate", _payload(prompts[0], 2), {"X-Flying-TP": str(engines)})  # warm
-        for ids in prompts:
-            _, dt = _post(url + "/generate", _payload(ids, new), {"X-Flying-TP": str(engines)})
-            tp_lat.append(dt)
-            for eng in _get(url + "/flying/status")["engines"]:
-                for key in split:
-                    split[key].append(eng["last_switch_ms"][key] / 1e3)
-        for ids in prompts:
-            dp_lat.append(_post(url + "/generate", _payload(ids, new))[1])
+        vanilla = _serve([*model_args, "--tp-size", str(engines), "--dp-size", "1"],
+                         out / "vanilla_tp.log")
+        try:
+            for _ in range(2):  # warm both
+                _post(flying.url + "/generate", _payload(prompts[0], 4), tp_hdr)
+                _post(vanilla.url + "/generate", _payload(prompts[0], 4))
+            for ids in prompts:
+                tp_lat.append(_post(flying.url + "/generate", _payload(ids, new), tp_hdr)[1])
+                for eng in _get(flying.url + "/flying/status")["engines"]:
+                    for key in split:
+                        split[key].append(eng["last_switch_ms"][key] / 1e3)
+                vanilla_lat.append(_post(vanilla.url + "/generate", _payload(ids, new))[1])
+                dp_lat.append(_post(flying.url + "/generate", _payload(ids, new))[1])
+        finally:
+            vanilla.stop()
     finally:
-        server.stop()
-    server = _serve([*model_args, "--tp-size", str(engines), "--dp-size", "1"], out / "vanilla_tp.log")
-    try:
-        _post(server.url + "/generate", _payload(prompts[0], 2))  # warm
-        for ids in prompts:
-            vanilla_lat.append(_post(server.url + "/generate", _payload(ids, new))[1])
-    finally:
-        server.stop()
+        flying.stop()
     ratio = statistics.median(tp_lat) / statistics.median(vanilla_lat)
+    bind = [r + s for r, s in zip(split["rendezvous_ms"], split["scope_setup_ms"], strict=True)]
     lines = [
-        f"Requests: {n} sequential, prompt {prompt_len} tokens, {new} new tokens, greedy; "
-        f"{engines} engines. Median over requests (switch split: over requests x engines).",
+        f"Requests: {n}, prompt {prompt_len} tokens, {new} new tokens, greedy; {engines} "
+        "engines; both servers up, requests interleaved (Flying TP, vanilla TP, Flying DP). "
+        "Median over requests (switch split: over requests x engines; bind mean in brackets).",
         "",
         "| measure | median (ms) |",
         "|---|---|",
         f"| bind: control round trip (controller issue -> engine step boundary) | {_ms(split['control_ms'])} |",
         f"| bind: rendezvous (bounded handshake on the store) | {_ms(split['rendezvous_ms'])} |",
-        f"| bind: mode-scope setup (views, KV view, backend, swaps) | {_ms(split['scope_setup_ms'])} |",
+        f"| bind: mode-scope setup (allocator, cache, enter the prepared views) | {_ms(split['scope_setup_ms'])} |",
+        f"| **bind -> first group step (rendezvous + scope)** | **{_ms(bind)}** "
+        f"({statistics.mean(bind) * 1e3:.2f} mean) |",
         f"| request in a Flying TP-{engines} group (e2e, incl. bind + release) | {_ms(tp_lat)} |",
-        f"| same request on one engine (Flying, DP mode) | {_ms(dp_lat)} |",
         f"| same request on vanilla SGLang --tp-size {engines} | {_ms(vanilla_lat)} |",
+        f"| same request on one engine (Flying, DP mode) | {_ms(dp_lat)} |",
         "",
         f"Flying TP-{engines} / vanilla TP-{engines} latency ratio: **{ratio:.2f}**",
     ]

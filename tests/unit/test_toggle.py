@@ -1,0 +1,84 @@
+"""Attribute toggles: the exchange semantics every mode switch relies on."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from flying.substrate.toggle import MISSING, Toggle, entered
+
+pytestmark = pytest.mark.unit
+
+
+class Obj:
+    cls_attr = "class"
+
+    def __init__(self):
+        self.queue = ["dp"]
+        self.limit = 10
+
+
+@dataclasses.dataclass(frozen=True)
+class Frozen:
+    size: int = 1
+
+
+def test_enter_leave_restores_and_keeps_each_sides_state():
+    o = Obj()
+    t = Toggle([(o, "queue", ["tp"]), (o, "limit", 20)])
+    t.enter()
+    assert o.queue == ["tp"] and o.limit == 20
+    o.queue.append("tp2")  # the TP side's state changes while entered
+    o.limit = 21
+    t.leave()
+    assert o.queue == ["dp"] and o.limit == 10
+    o.queue.append("dp2")  # and the DP side's while left
+    t.enter()
+    assert o.queue == ["tp", "tp2"] and o.limit == 21
+    t.leave()
+    assert o.queue == ["dp", "dp2"] and t.other(o, "limit") == 21
+
+
+def test_missing_instance_attribute_shows_the_class_one_again():
+    o = Obj()
+    t = Toggle([(o, "cls_attr", "instance")])
+    with entered(t):
+        assert o.cls_attr == "instance"
+    assert o.cls_attr == "class" and "cls_attr" not in vars(o)
+    t2 = Toggle([(o, "queue", MISSING)])
+    with entered(t2):
+        assert not hasattr(o, "queue")
+    assert o.queue == ["dp"]
+
+
+def test_frozen_dataclass_duplicates_and_add_while_entered():
+    f, o = Frozen(), Obj()
+    t = Toggle([(f, "size", 2), (o, "limit", 1), (o, "limit", 2)])  # the same attribute twice
+    t.enter()
+    assert f.size == 2 and o.limit == 2
+    t.add(o, "queue", [])
+    assert o.queue == []
+    t.leave()
+    assert f.size == 1 and o.limit == 10 and o.queue == ["dp"]
+
+
+def test_leave_is_idempotent_and_double_enter_refused():
+    o = Obj()
+    t = Toggle([(o, "limit", 5)])
+    t.leave()
+    assert o.limit == 10
+    t.enter()
+    with pytest.raises(RuntimeError):
+        t.enter()
+    t.leave()
+    t.leave()
+    assert o.limit == 10
+
+
+def test_entered_restores_on_error():
+    o = Obj()
+    with pytest.raises(ValueError), entered(Toggle([(o, "limit", 99)])):
+        assert o.limit == 99
+        raise ValueError("boom")
+    assert o.limit == 10
