@@ -341,12 +341,12 @@ class FlyingEngine:
             s.to(State.RUNNING)
             scope.tokenized[bind.req.rid] = bind.req
             self.faults.check("scope")
+            s.t_ready = time.perf_counter()  # switched: the rest is SGLang taking the request
             scope.hand(scheduler, bind.req)
         except Exception as exc:  # noqa: BLE001 - containment: this session only
             self._failed(s, exc)
             self._contain(scheduler, s, exc)
             return None
-        s.t_ready = time.perf_counter()
         logger.info(
             "flying: engine %d -> TP-%d group %s (bind %s)",
             self.dp_rank, bind.degree, list(bind.ranks), bind.bind_id,

@@ -79,19 +79,35 @@ def release(engine_allocator, res: Reservation) -> None:
 
 def make_tp_allocator(engine_allocator, tp_pool, res: Reservation):
     """An SGLang ``TokenToKVPoolAllocator`` over exactly the reservation's sub-slots."""
-    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
-
     slots = res.tp_slots
-
-    class ReservedSlotsAllocator(TokenToKVPoolAllocator):
-        def clear(self):
-            super().clear()
-            self.free_pages = slots.clone()
-
-    return ReservedSlotsAllocator(
+    allocator = _reserved_class()(
         size=int(slots.numel()),
         dtype=engine_allocator.dtype,
         device=engine_allocator.device,
         kvcache=tp_pool,
         need_sort=True,
     )
+    allocator.reserved = slots
+    allocator.free_pages = slots.clone()
+    return allocator
+
+
+_RESERVED: list[type] = []
+
+
+def _reserved_class() -> type:
+    """SGLang's allocator whose supply is the reserved sub-slots (``reserved``), also after
+    a ``clear()``; the class is made once (SGLang is imported lazily)."""
+    if not _RESERVED:
+        from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+
+        class ReservedSlotsAllocator(TokenToKVPoolAllocator):
+            reserved: torch.Tensor
+
+            def clear(self):
+                super().clear()
+                if hasattr(self, "reserved"):
+                    self.free_pages = self.reserved.clone()
+
+        _RESERVED.append(ReservedSlotsAllocator)
+    return _RESERVED[0]
