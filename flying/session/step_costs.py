@@ -4,18 +4,26 @@ The policy picks a TP group for latency only where a group's step is measurably 
 than one engine's (``scheduler.policy.Costs``). The engines measure it themselves, as
 the interval between consecutive step boundaries (formation, forward, sampling, output
 processing, and for a group its exchange and state switch: everything a request waits
-for per token), for single-request decode steps, in an exponential moving average per
-TP degree (1 = DP). The start-up probe's requests calibrate it (one per degree, in a
-group and in DP); serving traffic keeps it current. TP steps with DP steps interleaved
-are not counted (their interval includes another batch's work).
+for per token), for single-request decode steps, per TP degree (1 = DP). The start-up probe's requests
+calibrate it (one per degree, in a group and in DP); serving traffic keeps it current.
+TP steps with DP steps interleaved are not counted (their interval includes another
+batch's work).
+
+The cost of a degree is a low percentile (``QUANTILE``) of its last ``WINDOW`` samples:
+the step's own cost. On a shared machine other processes (the HTTP server, the
+detokenizer, the other engines' prefills) stretch some steps; a mean would charge that
+to whichever mode happened to run during a burst, and DP runs during bursts far more
+often than a group does, so a mean made DP look slow exactly when groups do not pay.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 
-#: Weight of the newest sample in the moving average.
-ALPHA = 0.2
+#: Samples kept per degree, and the percentile of them that is the degree's cost.
+WINDOW = 64
+QUANTILE = 0.25
 #: Steps longer than this are not samples of a step (an engine stalled or slept).
 MAX_SAMPLE_S = 5.0
 
@@ -24,7 +32,7 @@ class StepClock:
     """Single-request decode step time per degree: ``decode_ms()`` -> {degree: ms}."""
 
     def __init__(self) -> None:
-        self._ms: dict[int, float] = {}
+        self._ms: dict[int, deque[float]] = {}
         self._samples: dict[int, int] = {}
         self._open: tuple[int, float] | None = None  # (degree, started) of a counted step
 
@@ -44,12 +52,15 @@ class StepClock:
         self._open = (degree, started) if degree is not None else None
 
     def record(self, degree: int, ms: float) -> None:
-        old = self._ms.get(degree)
-        self._ms[degree] = ms if old is None else old + ALPHA * (ms - old)
+        self._ms.setdefault(degree, deque(maxlen=WINDOW)).append(ms)
         self._samples[degree] = self._samples.get(degree, 0) + 1
 
     def decode_ms(self) -> dict[int, float]:
-        return {d: round(ms, 4) for d, ms in sorted(self._ms.items())}
+        out = {}
+        for degree, window in sorted(self._ms.items()):
+            ordered = sorted(window)
+            out[degree] = round(ordered[int(QUANTILE * (len(ordered) - 1))], 4)
+        return out
 
     def samples(self) -> dict[int, int]:
         return dict(sorted(self._samples.items()))

@@ -1,0 +1,50 @@
+"""Measured step costs: single-request decode steps only, robust to stretched steps."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from flying.session.step_costs import StepClock, sample_degree
+
+pytestmark = pytest.mark.unit
+
+
+def _batch(n: int, decode: bool = True):
+    mode = SimpleNamespace(is_decode=lambda: decode)
+    return SimpleNamespace(reqs=[object()] * n, forward_mode=mode)
+
+
+def test_only_single_request_decode_steps_are_samples():
+    assert sample_degree(_batch(1), 2, interleaved=False) == 2
+    assert sample_degree(_batch(2), 1, interleaved=False) is None
+    assert sample_degree(_batch(1, decode=False), 1, interleaved=False) is None
+    assert sample_degree(_batch(1), 2, interleaved=True) is None
+    assert sample_degree(None, 1, interleaved=False) is None
+
+
+def test_cost_is_a_low_percentile_so_a_burst_does_not_charge_one_mode():
+    clock = StepClock()
+    for _ in range(16):
+        clock.record(2, 12.0)  # the probe's group steps, on a quiet machine
+        clock.record(1, 8.0)  # and one engine's
+    for _ in range(30):
+        clock.record(1, 40.0)  # DP steps stretched by a burst's other work
+    costs = clock.decode_ms()
+    assert costs == {1: 8.0, 2: 12.0}  # DP still measures faster than the group
+    assert clock.samples() == {1: 46, 2: 16}
+
+
+def test_boundary_label_measures_the_interval_between_boundaries(monkeypatch):
+    import flying.session.step_costs as sc
+
+    now = iter([1.0, 1.010, 1.030, 1.040])
+    monkeypatch.setattr(sc.time, "perf_counter", lambda: next(now))
+    clock = StepClock()
+    started = clock.boundary()  # 1.000
+    clock.label(1, started)
+    started = clock.boundary()  # 1.010: a 10 ms DP sample
+    clock.label(None, started)  # this step is not a sample
+    clock.boundary()  # 1.030: nothing recorded
+    assert clock.decode_ms() == {1: 10.0}
