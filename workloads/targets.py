@@ -11,7 +11,8 @@ after another on the same machine) and prints, for Flying against the static lay
   request saw) / static DP (target <= 1.5);
 - Flying's switches (binds), DP steps run between group steps, and TP requests.
 
-    python -m workloads.targets results/compare-cpu-burst [--burst burst --quiet low]
+    python -m workloads.targets results/compare-cpu-burst [--burst burst --quiet low] \\
+        [--plot modes.png]
 """
 
 from __future__ import annotations
@@ -116,13 +117,45 @@ def flying_counters(out: Path) -> str:
     return ", ".join(f"{k} {totals[k]}" for k in keys if k in totals)
 
 
+def plot_modes(records: list[RequestRecord], path: Path, bucket_s: float = 1.0) -> None:
+    """Flying's placement over time against the arrival rate: requests per second that
+    arrived (bars) and, per bucket, how many of them ran in a TP group (line)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    span = max(r.arrival_s for r in records) + bucket_s
+    n = int(span / bucket_s) + 1
+    arrived, grouped = [0] * n, [0] * n
+    for r in records:
+        b = int(r.arrival_s / bucket_s)
+        arrived[b] += 1
+        grouped[b] += int((r.flying or {}).get("mode") == "tp")
+    xs = [i * bucket_s for i in range(n)]
+    fig, ax = plt.subplots(figsize=(9, 3))
+    ax.bar(xs, [a / bucket_s for a in arrived], width=bucket_s, align="edge", color="#bbb",
+           label="arrivals (req/s)")
+    ax.step(xs, [g / bucket_s for g in grouped], where="post", color="C3",
+            label="of them in a TP group (req/s)")
+    ax.set_xlabel("time (s)")
+    ax.set_ylabel("req/s")
+    ax.legend(loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", type=Path, help="a workloads.compare output directory")
     ap.add_argument("--burst", default="burst", help="phase name of the bursts")
     ap.add_argument("--quiet", default="low", help="phase name of the quiet periods")
+    ap.add_argument("--plot", type=Path, help="write Flying's modes over time (PNG) here")
     args = ap.parse_args(argv)
     records = {r: load_records(args.out / r / "records.jsonl") for r in RUNS}
+    if args.plot:
+        plot_modes(records["flying"], args.plot)
     print(render(rows(records, args.burst, args.quiet)))
     counters = flying_counters(args.out)
     if counters:
