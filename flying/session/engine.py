@@ -56,9 +56,6 @@ __all__ = ["DP", "FlyingEngine", "Mode", "get_engine", "set_engine"]
 DEFAULT_BIND_TIMEOUT_S = 30.0
 #: Consecutive TP boundaries without a batch after which a session is declared stuck.
 MAX_IDLE_STEPS = 50
-#: Once a member has DP work waiting, a session admits new requests for at most this
-#: long, then finishes the requests it has (DP steps run between its TP steps meanwhile).
-MAX_ADMIT_S = 0.5
 #: Soft preemption: how long a drained member waits for the others per step boundary.
 DRAIN_POLL_S = 0.2
 #: How often a busy engine (DP or in a session) refreshes its published status.
@@ -390,10 +387,8 @@ class FlyingEngine:
         scheduler.running_batch, s.batch = plan.running_batch, batch
         self.publish(scheduler, plan=plan)
         self.faults.check("step")
-        # Admission stays open while no member has DP work waiting; once one has,
-        # for MAX_ADMIT_S more at most: the session then finishes what it has.
-        if shared.dp_waiting and time.monotonic() - s.started > MAX_ADMIT_S:
-            s.scope.admitting = False
+        # Admission stays open (DP work runs between group steps, so it never waits
+        # for the group); it closes only when a request could not reserve its KV.
         offers = admission.candidates(self.pending, s.bind) if s.scope.admitting else []
         due = (
             self.aborts.due(containment.session_reqs(scheduler), exchange.MAX_ABORTS)
