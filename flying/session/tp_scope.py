@@ -141,6 +141,10 @@ class Prepared:
     cache_refs: list[tuple[object, str]]
     allocator_refs: list[tuple[object, str]]
     size_holders: list[object]  # components with their own ``max_total_num_tokens``
+    #: the TP allocator and disabled prefix cache, made at the first session and reused
+    #: (re-pointed at each session's reservation): one session per degree at a time
+    allocator: object = None
+    cache: object = None
 
 
 def prepare(scheduler, member) -> Prepared:
@@ -257,8 +261,12 @@ def open_scope(scheduler, prepared: Prepared, member, reservation, is_leader: bo
 
     runner = _runner(scheduler)
     dp_allocator = scheduler.token_to_kv_pool_allocator
-    allocator = kv_adaptor.make_tp_allocator(dp_allocator, prepared.tp_pool, reservation)
-    cache = _disabled_cache(scheduler, allocator)
+    if prepared.allocator is None:
+        prepared.allocator = kv_adaptor.make_tp_allocator(dp_allocator, prepared.tp_pool, reservation)
+        prepared.cache = _disabled_cache(scheduler, prepared.allocator)
+    else:
+        kv_adaptor.reset_tp_allocator(prepared.allocator, reservation)
+    allocator, cache = prepared.allocator, prepared.cache
     capacity = int(reservation.tp_slots.numel())
     state = Toggle(
         [(h, n, cache) for h, n in prepared.cache_refs]

@@ -92,6 +92,14 @@ def make_tp_allocator(engine_allocator, tp_pool, res: Reservation):
     return allocator
 
 
+def reset_tp_allocator(allocator, res: Reservation) -> None:
+    """Point an allocator made by ``make_tp_allocator`` at another reservation (a new
+    session of the same degree reuses it: nothing is built on the bind path)."""
+    allocator.reserved = res.tp_slots
+    allocator.size = int(allocator.reserved.numel())
+    allocator.clear()
+
+
 _RESERVED: list[type] = []
 
 

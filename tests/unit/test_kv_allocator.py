@@ -30,3 +30,24 @@ def test_tp_allocator_supply_is_the_reservation():
     assert sorted(tp.free_pages.tolist()) == want
     kv_adaptor.release(engine, res)
     assert engine.available_size() == free
+
+
+def test_tp_allocator_is_reused_for_the_next_reservation():
+    import torch
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+
+    from flying.substrate import kv_adaptor
+
+    engine = TokenToKVPoolAllocator(
+        size=64, dtype=torch.float32, device="cpu", kvcache=SimpleNamespace(), need_sort=True
+    )
+    first = kv_adaptor.reserve(engine, 10, 2)
+    tp = kv_adaptor.make_tp_allocator(engine, SimpleNamespace(), first)
+    tp.alloc(3)
+    kv_adaptor.release(engine, first)
+    second = kv_adaptor.reserve(engine, 30, 2)
+    kv_adaptor.reset_tp_allocator(tp, second)
+    assert tp.size == 30 and tp.available_size() == 30
+    assert sorted(tp.free_pages.tolist()) == sorted(second.tp_slots.tolist())
+    tp.free(tp.alloc(5))  # released slots return (need_sort: via release_pages)
+    assert tp.available_size() == 30
