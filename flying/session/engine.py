@@ -31,20 +31,19 @@ DP with its KV slots and request rows accounted for and keeps serving.
 
 from __future__ import annotations
 
-import datetime as _dt
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
-import torch.distributed as dist
-
-from flying.session import aborts, admission, containment, exchange, report, status, tp_scope
+from flying.session import status, tp_scope
 from flying.session.aborts import AbortBook
+from flying.session.counters import EngineCounters
+from flying.session.drain import Drain
+from flying.session.drain import scheduler_form as _form
 from flying.session.faults import FaultSwitch
 from flying.session.group import DP, GroupSession, Mode, State
+from flying.session.lifecycle import Lifecycle
 from flying.session.messages import Bind
-from flying.session.status import SESSION_BUCKETS_S, SWITCH_BUCKETS_MS, bucket_index
 from flying.session.step_costs import StepClock, sample_degree
 from flying.substrate.comm_pool import CommPool
 
@@ -54,42 +53,11 @@ __all__ = ["DP", "FlyingEngine", "Mode", "get_engine", "set_engine"]
 
 #: How long the leader waits for the group's members to reach a step boundary.
 DEFAULT_BIND_TIMEOUT_S = 30.0
-#: Consecutive TP boundaries without a batch after which a session is declared stuck.
-MAX_IDLE_STEPS = 50
-#: Soft preemption: how long a drained member waits for the others per step boundary.
-DRAIN_POLL_S = 0.2
 #: How often a busy engine (DP or in a session) refreshes its published status.
 STATUS_EVERY_S = 0.1
 
 
-@dataclass
-class EngineCounters:
-    binds: int = 0
-    releases: int = 0
-    aborted_binds: int = 0
-    faulted_sessions: int = 0
-    client_aborts: int = 0
-    rerun_in_dp: int = 0
-    preempted_dp_requests: int = 0
-    tp_requests: int = 0
-    tp_steps: int = 0
-    #: DP steps an engine ran between the TP steps of its sessions
-    dp_steps_in_session: int = 0
-    #: the most TP steps a member ran in a row while it had DP work waiting (the
-    #: longest a DP request waits for a group, in group steps; 1 by construction)
-    max_dp_wait_steps: int = 0
-    #: switch latency (bind taken at a step boundary -> group ready) histogram, counts
-    #: per ``metrics.SWITCH_BUCKETS_MS`` bucket (+Inf last), and the sum in ms
-    switch_hist: list[int] = field(default_factory=lambda: [0] * (len(SWITCH_BUCKETS_MS) + 1))
-    switch_ms_sum: float = 0.0
-    #: group session length (bind -> release) histogram per ``SESSION_BUCKETS_S``
-    session_hist: list[int] = field(default_factory=lambda: [0] * (len(SESSION_BUCKETS_S) + 1))
-    session_s_sum: float = 0.0
-    last_switch_ms: dict[str, float] = field(default_factory=dict)
-    last_fault: str = ""
-
-
-class FlyingEngine:
+class FlyingEngine(Lifecycle, Drain):
     def __init__(
         self, dp_rank: int, pool: CommPool | None, bind_timeout_s: float, preempt: str = "hard",
         dp_limit: int = 0,
@@ -234,39 +202,6 @@ class FlyingEngine:
             self._failed(s, exc)
             return None
 
-    def draining_blocks(self, scheduler) -> bool:
-        """Soft preemption: True while this engine must drain before the head bind.
-
-        Hard preemption: never. Soft: until every member has drained its DP work for
-        the bind. Each announces it in the store, then waits at most ``DRAIN_POLL_S``
-        for the others (it has nothing else to run: new DP work is held back while
-        draining), so a wait never blocks an engine for long. The drain keys are deleted
-        by the bind's rendezvous."""
-        if self.preempt != "soft" or self.pool is None:
-            return False
-        bind = self.pending[0]
-        self.draining = True
-        if not _nothing_running(scheduler):
-            return True
-        keys = drain_keys(bind)
-        self.pool.store.set(keys[bind.ranks.index(self.dp_rank)], "1")
-        try:
-            self.pool.store.wait(keys, _dt.timedelta(seconds=DRAIN_POLL_S))
-        except (RuntimeError, dist.DistStoreError):
-            return True
-        return False
-
-    def _drain_step(self, scheduler, original):
-        """Soft preemption: SGLang's step over the running DP requests only (the waiting
-        ones stay queued until after the session). Requests SGLang retracts meanwhile
-        go back to the real waiting queue."""
-        waiting, scheduler.waiting_queue = scheduler.waiting_queue, []
-        try:
-            return _form(scheduler, original)
-        finally:
-            waiting.extend(scheduler.waiting_queue)
-            scheduler.waiting_queue = waiting
-
     def publish(self, scheduler, force: bool = False, plan=None) -> None:
         """Refresh the engine's status in the store: on events (``force``), at most every
         ``STATUS_EVERY_S`` while busy, and at once when the engine falls idle, so that
@@ -284,211 +219,6 @@ class FlyingEngine:
             self._published_busy = busy
             status.publish(self.pool.store, self.dp_rank, self, scheduler)
 
-    # -- one session --------------------------------------------------------------------
-
-    def _vote(self, scheduler, bind: Bind):
-        """(reservation or None, vote): "" if this member can serve the bind."""
-        self.faults.refresh()
-        try:
-            self.faults.check("bind")
-            if self.aborts.hits(bind.req.rid):
-                return None, "request aborted by the client"
-            if bind.degree not in self.prepared:
-                return None, f"engine {self.dp_rank} has no TP-{bind.degree} views"
-            reservation = tp_scope.reserve_for(
-                scheduler, admission.tokens_needed(bind, self.dp_limit), bind.degree
-            )
-        except Exception as exc:  # noqa: BLE001 - any failure is this member's "no"
-            logger.exception("flying: engine %d cannot join bind %s", self.dp_rank, bind.bind_id)
-            return None, f"engine {self.dp_rank} failed to prepare: {exc}"
-        return reservation, "" if reservation is not None else "member lacks KV capacity"
-
-    def _bind(self, scheduler, bind: Bind) -> GroupSession | None:
-        """BINDING: vote, rendezvous, open the scope and hand the request; the session
-        is RUNNING (TP state entered) on return, or None if the bind did not form."""
-        self.draining = False
-        t0 = time.perf_counter()
-        is_leader = self.dp_rank == bind.ranks[0]
-        reservation, vote = self._vote(scheduler, bind)
-        verdict = self.pool.rendezvous(bind.bind_id, bind.degree, vote, self.bind_timeout_s)
-        if self.preempt == "soft":  # every member is past its drain wait now
-            self.pool.store.delete_key(drain_keys(bind)[bind.ranks.index(self.dp_rank)])
-        t_rdv = time.perf_counter()
-        if not verdict.go:
-            tp_scope.release(scheduler, reservation)
-            self.counters.aborted_binds += 1
-            logger.warning("flying: bind %s aborted: %s", bind.bind_id, verdict.reason)
-            if is_leader and self.aborts.hits(bind.req.rid):
-                tp_scope.reject(scheduler, bind.req, "request aborted by the client")
-            elif is_leader:  # the group could not form: serve the request in DP instead
-                self.counters.rerun_in_dp += 1
-                scheduler.handle_generate_request(bind.req)
-                report.mark(scheduler, bind.req.rid, 1, f"TP-{bind.degree} group did not form: {verdict.reason}")
-            return None
-        member = self.pool.member(bind.degree)
-        self.counters.binds += 1
-        self.counters.preempted_dp_requests += len(scheduler.running_batch.reqs)
-        scope = tp_scope.open_scope(
-            scheduler, self.prepared[bind.degree], member, reservation, is_leader, self.faults
-        )
-        s = GroupSession(bind, member, scope, is_leader, t_bind=t0, t_rendezvous=t_rdv)
-        self.session = s
-        try:
-            scope.enter()
-            s.to(State.RUNNING)
-            scope.tokenized[bind.req.rid] = bind.req
-            self.faults.check("scope")
-            s.t_ready = time.perf_counter()  # switched: the rest is SGLang taking the request
-            scope.hand(scheduler, bind.req)
-        except Exception as exc:  # noqa: BLE001 - containment: this session only
-            self._failed(s, exc)
-            self._contain(scheduler, s, exc)
-            return None
-        logger.info(
-            "flying: engine %d -> TP-%d group %s (bind %s)",
-            self.dp_rank, bind.degree, list(bind.ranks), bind.bind_id,
-        )
-        return s
-
-    def _tp_boundary(self, scheduler, s: GroupSession, original):
-        """A TP step's boundary: enter the TP state, apply the last exchange (aborts,
-        admissions), form the batch and exchange its signature. Returns the plan for
-        SGLang to run in the TP state, or None when the session has ended (DP state)."""
-        try:
-            if not s.scope.entered:
-                s.scope.enter()
-                s.to(State.RUNNING)
-            while True:
-                plan = self._tp_form(scheduler, s, original)
-                if plan is not None:
-                    return plan
-                if s.state is State.RELEASED:
-                    return None
-        except Exception as exc:  # noqa: BLE001 - containment: this session only
-            self._failed(s, exc)
-            self._contain(scheduler, s, exc)
-            return None
-
-    def _tp_form(self, scheduler, s: GroupSession, original):
-        """One attempt at a TP batch; None if there was none this time (the session
-        may have ended: every member saw "done" in the same exchange)."""
-        shared = s.shared
-        s.shared = exchange.Shared([], [], 0)
-        if shared.aborts:
-            self.counters.client_aborts += aborts.apply(
-                scheduler, containment.session_reqs(scheduler), shared.aborts
-            )
-        if shared.offers:
-            s.joined += admission.admit(self, scheduler, s.member, s.scope, shared.offers)
-        plan = _form(scheduler, original)
-        batch = plan.batch_to_run
-        # What SGLang's loop does next; done here so that containment finds the batch's
-        # requests (and frees their rows) if the exchange below raises.
-        scheduler.running_batch, s.batch = plan.running_batch, batch
-        self.publish(scheduler, plan=plan)
-        self.faults.check("step")
-        # Admission stays open (DP work runs between group steps, so it never waits
-        # for the group); it closes only when a request could not reserve its KV.
-        offers = admission.candidates(self.pending, s.bind) if s.scope.admitting else []
-        due = (
-            self.aborts.due(containment.session_reqs(scheduler), exchange.MAX_ABORTS)
-            if s.is_leader else []
-        )
-        busy = bool(scheduler.waiting_queue) or not scheduler.running_batch.is_empty()
-        s.shared = exchange.exchange(s.member, batch, offers, due, s.dp_work, busy)
-        if batch is not None:
-            s.idle_steps = 0
-            s.tp_steps += 1
-            self.counters.tp_steps += 1
-            s.dp_turn = True
-            if s.dp_work:
-                s.dp_wait_steps += 1
-                self.counters.max_dp_wait_steps = max(
-                    self.counters.max_dp_wait_steps, s.dp_wait_steps
-                )
-            return plan
-        scheduler.last_batch = None
-        if s.shared.done:
-            self.faults.check("release")
-            self._end(scheduler, s, [])
-            return None
-        if s.shared.busy:
-            s.idle_steps += 1
-            if s.idle_steps >= MAX_IDLE_STEPS:
-                raise RuntimeError(f"flying: TP session made no progress: {_describe(scheduler)}")
-        self.poll(scheduler)  # offers to take: their binds may still be in flight
-        return None
-
-    def _failed(self, s: GroupSession, exc: BaseException) -> None:
-        """Record a TP step's failure and wake the peers (poisoned segment)."""
-        if s.failure is None:
-            s.failure = exc
-            s.member.poison()
-            self.counters.faulted_sessions += 1
-            self.counters.last_fault = f"{type(exc).__name__}: {exc}"[:300]
-            logger.error(
-                "flying: engine %d: TP-%d session failed: %s", self.dp_rank, s.bind.degree,
-                self.counters.last_fault, exc_info=exc,
-            )
-
-    def _contain(self, scheduler, s: GroupSession, exc: BaseException) -> None:
-        """End a failed session (in its TP state): free its rows, re-run or abort its
-        requests (``containment.abandon``), and release it."""
-        rerun = []
-        try:
-            if not s.scope.entered:
-                s.scope.enter()
-            rerun = containment.abandon(
-                scheduler, s.is_leader, f"TP-{s.bind.degree} group failed: {exc}",
-                s.scope.tokenized, s.scope.handed, s.batch,
-            )
-        finally:
-            self._end(scheduler, s, rerun)
-
-    def _end(self, scheduler, s: GroupSession, rerun: list) -> None:
-        """RELEASED: leave the TP state for good, return the reservations, count."""
-        try:
-            s.scope.leave()
-        finally:
-            s.scope.release_all()
-            self.session = None
-            s.state = State.RELEASED
-            self.aborts.end_session()
-        for req in rerun:  # leader only: nothing was streamed, so DP answers instead
-            self.counters.rerun_in_dp += 1
-            scheduler.handle_generate_request(req)
-            report.mark(scheduler, req.rid, 1, f"re-run in DP: the TP-{s.bind.degree} group failed")
-        c = self.counters
-        c.releases += 1
-        c.tp_requests += len(s.scope.tokenized)
-        t_end = time.perf_counter()
-        t0, t_rdv = s.t_bind, s.t_rendezvous
-        t_scope = s.t_ready or t_rdv
-        c.last_switch_ms = {
-            "control_ms": max(0.0, (time.time() - s.bind.issued_at) * 1e3 - (t_end - t0) * 1e3),
-            "rendezvous_ms": (t_rdv - t0) * 1e3,
-            "scope_setup_ms": (t_scope - t_rdv) * 1e3,
-            "session_ms": (t_end - t_scope) * 1e3,
-        }
-        switch_ms = (t_scope - t0) * 1e3
-        c.switch_hist[bucket_index(switch_ms)] += 1
-        c.switch_ms_sum += switch_ms
-        c.session_hist[bucket_index(t_end - t0, SESSION_BUCKETS_S)] += 1
-        c.session_s_sum += t_end - t0
-        self.publish(scheduler, force=True)
-        logger.info(
-            "flying: engine %d -> DP (bind %s released: %d TP requests, %d TP steps, "
-            "%d DP steps between them)",
-            self.dp_rank, s.bind.bind_id, len(s.scope.tokenized), s.tp_steps, s.dp_steps,
-        )
-
-
-def _form(scheduler, original):
-    """SGLang's batch formation for the scheduler's current state (DP or TP): the loop
-    read ``running_batch`` / ``last_batch`` before this hook switched state."""
-    return original(scheduler, running_batch=scheduler.running_batch, last_batch=scheduler.last_batch)
-
-
 def _has_dp_work(scheduler) -> bool:
     """DP requests are waiting or running in the engine's (current) DP state."""
     last = scheduler.last_batch
@@ -496,32 +226,6 @@ def _has_dp_work(scheduler) -> bool:
         bool(scheduler.waiting_queue)
         or not scheduler.running_batch.is_empty()
         or (last is not None and not all(r.finished() for r in last.reqs))
-    )
-
-
-def drain_keys(bind: Bind) -> list[str]:
-    """Soft preemption: the store keys by which the members announce they drained."""
-    return [f"flying/drain/{bind.bind_id}/{r}" for r in bind.ranks]
-
-
-def _nothing_running(scheduler) -> bool:
-    """No DP request is running or about to be merged into the running batch."""
-    last = scheduler.last_batch
-    return scheduler.running_batch.is_empty() and (
-        last is None or all(r.finished() for r in last.reqs)
-    )
-
-
-def _describe(scheduler) -> str:
-    reqs = [
-        f"{r.rid[:8]} in={len(r.origin_input_ids)} finished={r.finished()}"
-        for r in scheduler.waiting_queue
-    ]
-    alloc = scheduler.token_to_kv_pool_allocator
-    return (
-        f"waiting={reqs} running={len(scheduler.running_batch.reqs)} "
-        f"free_tp_slots={alloc.available_size()} "
-        f"free_req_slots={scheduler.req_to_token_pool.available_size()}"
     )
 
 

@@ -1,0 +1,35 @@
+"""An engine's Flying counters: published in its status, summed in /flying/status and
+exported as Prometheus series."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from flying.session.status import SESSION_BUCKETS_S, SWITCH_BUCKETS_MS
+
+
+@dataclass
+class EngineCounters:
+    binds: int = 0
+    releases: int = 0
+    aborted_binds: int = 0
+    faulted_sessions: int = 0
+    client_aborts: int = 0
+    rerun_in_dp: int = 0
+    preempted_dp_requests: int = 0
+    tp_requests: int = 0
+    tp_steps: int = 0
+    #: DP steps an engine ran between the TP steps of its sessions
+    dp_steps_in_session: int = 0
+    #: the most TP steps a member ran in a row while it had DP work waiting (the
+    #: longest a DP request waits for a group, in group steps; 1 by construction)
+    max_dp_wait_steps: int = 0
+    #: switch latency (bind taken at a step boundary -> group ready) histogram, counts
+    #: per ``metrics.SWITCH_BUCKETS_MS`` bucket (+Inf last), and the sum in ms
+    switch_hist: list[int] = field(default_factory=lambda: [0] * (len(SWITCH_BUCKETS_MS) + 1))
+    switch_ms_sum: float = 0.0
+    #: group session length (bind -> release) histogram per ``SESSION_BUCKETS_S``
+    session_hist: list[int] = field(default_factory=lambda: [0] * (len(SESSION_BUCKETS_S) + 1))
+    session_s_sum: float = 0.0
+    last_switch_ms: dict[str, float] = field(default_factory=dict)
+    last_fault: str = ""

@@ -1,0 +1,236 @@
+"""A group session's lifecycle on one member: bind, TP steps, failure, release.
+
+Mixed into ``FlyingEngine`` (``flying.session.engine``), whose hooks call these at
+SGLang's step boundaries; the states are ``flying.session.group.State``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from flying.session import aborts, admission, containment, exchange, report, tp_scope
+from flying.session.drain import drain_keys
+from flying.session.drain import scheduler_form as _form
+from flying.session.group import GroupSession, State
+from flying.session.messages import Bind
+from flying.session.status import SESSION_BUCKETS_S, bucket_index
+
+logger = logging.getLogger(__name__)
+
+#: Consecutive TP boundaries without a batch after which a session is declared stuck.
+MAX_IDLE_STEPS = 50
+
+
+class Lifecycle:
+    """Binding, running and releasing group sessions (mixed into ``FlyingEngine``)."""
+
+
+    def _vote(self, scheduler, bind: Bind):
+        """(reservation or None, vote): "" if this member can serve the bind."""
+        self.faults.refresh()
+        try:
+            self.faults.check("bind")
+            if self.aborts.hits(bind.req.rid):
+                return None, "request aborted by the client"
+            if bind.degree not in self.prepared:
+                return None, f"engine {self.dp_rank} has no TP-{bind.degree} views"
+            reservation = tp_scope.reserve_for(
+                scheduler, admission.tokens_needed(bind, self.dp_limit), bind.degree
+            )
+        except Exception as exc:  # noqa: BLE001 - any failure is this member's "no"
+            logger.exception("flying: engine %d cannot join bind %s", self.dp_rank, bind.bind_id)
+            return None, f"engine {self.dp_rank} failed to prepare: {exc}"
+        return reservation, "" if reservation is not None else "member lacks KV capacity"
+
+    def _bind(self, scheduler, bind: Bind) -> GroupSession | None:
+        """BINDING: vote, rendezvous, open the scope and hand the request; the session
+        is RUNNING (TP state entered) on return, or None if the bind did not form."""
+        self.draining = False
+        t0 = time.perf_counter()
+        is_leader = self.dp_rank == bind.ranks[0]
+        reservation, vote = self._vote(scheduler, bind)
+        verdict = self.pool.rendezvous(bind.bind_id, bind.degree, vote, self.bind_timeout_s)
+        if self.preempt == "soft":  # every member is past its drain wait now
+            self.pool.store.delete_key(drain_keys(bind)[bind.ranks.index(self.dp_rank)])
+        t_rdv = time.perf_counter()
+        if not verdict.go:
+            tp_scope.release(scheduler, reservation)
+            self.counters.aborted_binds += 1
+            logger.warning("flying: bind %s aborted: %s", bind.bind_id, verdict.reason)
+            if is_leader and self.aborts.hits(bind.req.rid):
+                tp_scope.reject(scheduler, bind.req, "request aborted by the client")
+            elif is_leader:  # the group could not form: serve the request in DP instead
+                self.counters.rerun_in_dp += 1
+                scheduler.handle_generate_request(bind.req)
+                report.mark(scheduler, bind.req.rid, 1, f"TP-{bind.degree} group did not form: {verdict.reason}")
+            return None
+        member = self.pool.member(bind.degree)
+        self.counters.binds += 1
+        self.counters.preempted_dp_requests += len(scheduler.running_batch.reqs)
+        scope = tp_scope.open_scope(
+            scheduler, self.prepared[bind.degree], member, reservation, is_leader, self.faults
+        )
+        s = GroupSession(bind, member, scope, is_leader, t_bind=t0, t_rendezvous=t_rdv)
+        self.session = s
+        try:
+            scope.enter()
+            s.to(State.RUNNING)
+            scope.tokenized[bind.req.rid] = bind.req
+            self.faults.check("scope")
+            s.t_ready = time.perf_counter()  # switched: the rest is SGLang taking the request
+            scope.hand(scheduler, bind.req)
+        except Exception as exc:  # noqa: BLE001 - containment: this session only
+            self._failed(s, exc)
+            self._contain(scheduler, s, exc)
+            return None
+        logger.info(
+            "flying: engine %d -> TP-%d group %s (bind %s)",
+            self.dp_rank, bind.degree, list(bind.ranks), bind.bind_id,
+        )
+        return s
+
+    def _tp_boundary(self, scheduler, s: GroupSession, original):
+        """A TP step's boundary: enter the TP state, apply the last exchange (aborts,
+        admissions), form the batch and exchange its signature. Returns the plan for
+        SGLang to run in the TP state, or None when the session has ended (DP state)."""
+        try:
+            if not s.scope.entered:
+                s.scope.enter()
+                s.to(State.RUNNING)
+            while True:
+                plan = self._tp_form(scheduler, s, original)
+                if plan is not None:
+                    return plan
+                if s.state is State.RELEASED:
+                    return None
+        except Exception as exc:  # noqa: BLE001 - containment: this session only
+            self._failed(s, exc)
+            self._contain(scheduler, s, exc)
+            return None
+
+    def _tp_form(self, scheduler, s: GroupSession, original):
+        """One attempt at a TP batch; None if there was none this time (the session
+        may have ended: every member saw "done" in the same exchange)."""
+        shared = s.shared
+        s.shared = exchange.Shared([], [], 0)
+        if shared.aborts:
+            self.counters.client_aborts += aborts.apply(
+                scheduler, containment.session_reqs(scheduler), shared.aborts
+            )
+        if shared.offers:
+            s.joined += admission.admit(self, scheduler, s.member, s.scope, shared.offers)
+        plan = _form(scheduler, original)
+        batch = plan.batch_to_run
+        # What SGLang's loop does next; done here so that containment finds the batch's
+        # requests (and frees their rows) if the exchange below raises.
+        scheduler.running_batch, s.batch = plan.running_batch, batch
+        self.publish(scheduler, plan=plan)
+        self.faults.check("step")
+        # Admission stays open (DP work runs between group steps, so it never waits
+        # for the group); it closes only when a request could not reserve its KV.
+        offers = admission.candidates(self.pending, s.bind) if s.scope.admitting else []
+        due = (
+            self.aborts.due(containment.session_reqs(scheduler), exchange.MAX_ABORTS)
+            if s.is_leader else []
+        )
+        busy = bool(scheduler.waiting_queue) or not scheduler.running_batch.is_empty()
+        s.shared = exchange.exchange(s.member, batch, offers, due, s.dp_work, busy)
+        if batch is not None:
+            s.idle_steps = 0
+            s.tp_steps += 1
+            self.counters.tp_steps += 1
+            s.dp_turn = True
+            if s.dp_work:
+                s.dp_wait_steps += 1
+                self.counters.max_dp_wait_steps = max(
+                    self.counters.max_dp_wait_steps, s.dp_wait_steps
+                )
+            return plan
+        scheduler.last_batch = None
+        if s.shared.done:
+            self.faults.check("release")
+            self._end(scheduler, s, [])
+            return None
+        if s.shared.busy:
+            s.idle_steps += 1
+            if s.idle_steps >= MAX_IDLE_STEPS:
+                raise RuntimeError(f"flying: TP session made no progress: {_describe(scheduler)}")
+        self.poll(scheduler)  # offers to take: their binds may still be in flight
+        return None
+
+    def _failed(self, s: GroupSession, exc: BaseException) -> None:
+        """Record a TP step's failure and wake the peers (poisoned segment)."""
+        if s.failure is None:
+            s.failure = exc
+            s.member.poison()
+            self.counters.faulted_sessions += 1
+            self.counters.last_fault = f"{type(exc).__name__}: {exc}"[:300]
+            logger.error(
+                "flying: engine %d: TP-%d session failed: %s", self.dp_rank, s.bind.degree,
+                self.counters.last_fault, exc_info=exc,
+            )
+
+    def _contain(self, scheduler, s: GroupSession, exc: BaseException) -> None:
+        """End a failed session (in its TP state): free its rows, re-run or abort its
+        requests (``containment.abandon``), and release it."""
+        rerun = []
+        try:
+            if not s.scope.entered:
+                s.scope.enter()
+            rerun = containment.abandon(
+                scheduler, s.is_leader, f"TP-{s.bind.degree} group failed: {exc}",
+                s.scope.tokenized, s.scope.handed, s.batch,
+            )
+        finally:
+            self._end(scheduler, s, rerun)
+
+    def _end(self, scheduler, s: GroupSession, rerun: list) -> None:
+        """RELEASED: leave the TP state for good, return the reservations, count."""
+        try:
+            s.scope.leave()
+        finally:
+            s.scope.release_all()
+            self.session = None
+            s.state = State.RELEASED
+            self.aborts.end_session()
+        for req in rerun:  # leader only: nothing was streamed, so DP answers instead
+            self.counters.rerun_in_dp += 1
+            scheduler.handle_generate_request(req)
+            report.mark(scheduler, req.rid, 1, f"re-run in DP: the TP-{s.bind.degree} group failed")
+        c = self.counters
+        c.releases += 1
+        c.tp_requests += len(s.scope.tokenized)
+        t_end = time.perf_counter()
+        t0, t_rdv = s.t_bind, s.t_rendezvous
+        t_scope = s.t_ready or t_rdv
+        c.last_switch_ms = {
+            "control_ms": max(0.0, (time.time() - s.bind.issued_at) * 1e3 - (t_end - t0) * 1e3),
+            "rendezvous_ms": (t_rdv - t0) * 1e3,
+            "scope_setup_ms": (t_scope - t_rdv) * 1e3,
+            "session_ms": (t_end - t_scope) * 1e3,
+        }
+        switch_ms = (t_scope - t0) * 1e3
+        c.switch_hist[bucket_index(switch_ms)] += 1
+        c.switch_ms_sum += switch_ms
+        c.session_hist[bucket_index(t_end - t0, SESSION_BUCKETS_S)] += 1
+        c.session_s_sum += t_end - t0
+        self.publish(scheduler, force=True)
+        logger.info(
+            "flying: engine %d -> DP (bind %s released: %d TP requests, %d TP steps, "
+            "%d DP steps between them)",
+            self.dp_rank, s.bind.bind_id, len(s.scope.tokenized), s.tp_steps, s.dp_steps,
+        )
+
+
+def _describe(scheduler) -> str:
+    reqs = [
+        f"{r.rid[:8]} in={len(r.origin_input_ids)} finished={r.finished()}"
+        for r in scheduler.waiting_queue
+    ]
+    alloc = scheduler.token_to_kv_pool_allocator
+    return (
+        f"waiting={reqs} running={len(scheduler.running_batch.reqs)} "
+        f"free_tp_slots={alloc.available_size()} "
+        f"free_req_slots={scheduler.req_to_token_pool.available_size()}"
+    )
