@@ -1,11 +1,10 @@
 """Where the controller placed a request, for ``meta_info["flying"]``.
 
 Requests marked in the HTTP process (explicit degree, priority, long context) carry their
-degree in the routing key. Two decisions are the DP controller's, made from the engines'
-loads after the HTTP process has let the request go: the adaptive policy's TP placement
-of an unmarked request, and a priority request kept in DP because its group's members
-hold more DP work than ``--flying-priority-max-paused``. The controller records such a
-decision in the launcher's TCPStore (``record``) before it dispatches, and the HTTP
+degree in the routing key. One decision is the DP controller's alone, made after the
+HTTP process has let the request go: a priority request kept in DP (a group does not pay
+by the measured step costs, or its members hold more DP work than
+``--flying-priority-max-paused``). The controller records that decision in the launcher's TCPStore (``record``) before it dispatches, and the HTTP
 process reads it once per request, at the request's first output (``lookup``), which
 deletes the key. Other requests cost no store access.
 
@@ -15,15 +14,11 @@ when the request's handler ends (``forget``), and the controller deletes what it
 recorded for a request it sees aborted (``Recorded.aborted``), which also covers a
 request whose handler ended before the controller recorded it.
 
-The store round trip could go: SGLang 0.5.23 already carries per-request data from the
-scheduler to ``meta_info``. A scheduler ``Req``'s ``customized_info`` dict travels in
-``BatchTokenIDOutput`` / ``BatchStrOutput`` (``SchedulerOutputStreamer`` slices each value
-per streamed chunk, ``values[offset:len(output_ids)]``, so it must be a per-token
-sequence) and ``TokenizerManager.update_request_meta_info`` accumulates each key into
-``meta_info[key]`` (and re-adds it for streams from ``customized_info_accumulated``). A
-group leader could put its degree there for its requests and the HTTP process pop it;
-that is engine-side code, and it covers only requests that ran in a group (the
-controller's "kept in DP" reason never reaches an engine's Flying code).
+Only the controller's "kept in DP" decisions for priority requests go through the
+store now: where a request ran in a group (or in DP after a group failed or did not
+form) travels with its output (``flying.session.report``), and a priority request's
+"kept in DP" reason is decided in the controller, which never reaches an engine's
+Flying code.
 """
 
 from __future__ import annotations

@@ -25,7 +25,6 @@ hooks decide which state each step runs in (``flying.session.engine``).
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 
 from flying.session import exchange
@@ -78,7 +77,6 @@ class GroupSession:
     dp_turn: bool = False  # the next boundary runs a DP step if there is DP work
     batch: object = None  # the TP batch of the current step (until the next input boundary)
     failure: BaseException | None = None  # raised in a TP step; contained at next input
-    started: float = field(default_factory=time.monotonic)
     #: perf_counter stamps: bind taken, rendezvous done, first TP step ready
     t_bind: float = 0.0
     t_rendezvous: float = 0.0
