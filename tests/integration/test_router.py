@@ -107,7 +107,9 @@ def cluster(demo_model_dir, tmp_path_factory) -> Iterator[Cluster]:
             nodes[name] = Server(
                 ["--model-path", str(demo_model_dir), "--dp-size", "2",
                  "--max-total-tokens", str(MAX_TOTAL_TOKENS), "--flying-policy", "static-dp",
-                 "--flying-node-name", name],
+                 # a priority request takes a group even though a TP-2 step is slower
+                 # than one engine on the demo model (as in tests/conftest.demo_server)
+                 "--flying-tp-gain", "-10", "--flying-node-name", name],
                 logs / f"{name}.log",
             )
         for server in nodes.values():
