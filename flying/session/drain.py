@@ -28,7 +28,7 @@ class Drain:
             return False
         bind = self.pending[0]
         self.draining = True
-        if not _nothing_running(scheduler):
+        if not nothing_running(scheduler):
             return True
         keys = drain_keys(bind)
         self.pool.store.set(keys[bind.ranks.index(self.dp_rank)], "1")
@@ -55,7 +55,7 @@ def drain_keys(bind: Bind) -> list[str]:
     return [f"flying/drain/{bind.bind_id}/{r}" for r in bind.ranks]
 
 
-def _nothing_running(scheduler) -> bool:
+def nothing_running(scheduler) -> bool:
     """No DP request is running or about to be merged into the running batch."""
     last = scheduler.last_batch
     return scheduler.running_batch.is_empty() and (

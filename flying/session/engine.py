@@ -38,7 +38,7 @@ from collections import deque
 from flying.session import status, tp_scope
 from flying.session.aborts import AbortBook
 from flying.session.counters import EngineCounters
-from flying.session.drain import Drain
+from flying.session.drain import Drain, nothing_running
 from flying.session.drain import scheduler_form as _form
 from flying.session.faults import FaultSwitch
 from flying.session.group import DP, GroupSession, Mode, State
@@ -219,14 +219,10 @@ class FlyingEngine(Lifecycle, Drain):
             self._published_busy = busy
             status.publish(self.pool.store, self.dp_rank, self, scheduler)
 
+
 def _has_dp_work(scheduler) -> bool:
-    """DP requests are waiting or running in the engine's (current) DP state."""
-    last = scheduler.last_batch
-    return (
-        bool(scheduler.waiting_queue)
-        or not scheduler.running_batch.is_empty()
-        or (last is not None and not all(r.finished() for r in last.reqs))
-    )
+    """DP requests are waiting, or running in the engine's (current) DP state."""
+    return bool(scheduler.waiting_queue) or not nothing_running(scheduler)
 
 
 _ENGINE: FlyingEngine | None = None
