@@ -20,6 +20,7 @@ ENV_VAR = "FLYING_CONFIG"
 PLATFORMS = ("auto", "cpu", "native")
 PREEMPT_MODES = ("hard", "soft")
 TRUST_MODES = ("trust", "ignore")
+MOVE_MODES = ("policy", "all", "off")
 #: A node name travels in an HTTP header: a short, plain token (host names, IPv6 in [ ]).
 NODE_NAME_MAX = 255
 _NODE_NAME = re.compile(r"[A-Za-z0-9._:\-\[\]]*")
@@ -55,6 +56,11 @@ class FlyingConfig:
     #: KV kept (latency first); "soft" lets them finish first, admitting no new DP work
     #: on the members meanwhile (throughput first).
     preempt: str = "hard"
+    #: Which group sessions end at once when a member has DP work, their running
+    #: requests moved into DP on the leader with their KV (no recompute): "policy" (the
+    #: adaptive policy's light-load groups), "all" (any group, explicit and priority
+    #: ones too), "off" (a group keeps its requests; DP work runs between group steps).
+    move_to_dp: str = "policy"
     #: Adaptive policy: enter TP below this many requests per engine...
     light_load: float = 0.5
     #: ...and go back to DP above this many.
@@ -106,6 +112,10 @@ class FlyingConfig:
         if self.preempt not in PREEMPT_MODES:
             raise ConfigError(
                 f"--flying-preempt must be one of {', '.join(PREEMPT_MODES)}, got {self.preempt!r}"
+            )
+        if self.move_to_dp not in MOVE_MODES:
+            raise ConfigError(
+                f"--flying-move-to-dp must be one of {', '.join(MOVE_MODES)}, got {self.move_to_dp!r}"
             )
         for name in ("client_priority", "client_tp"):
             if getattr(self, name) not in TRUST_MODES:
@@ -169,6 +179,7 @@ _HELP = {
     "policy": "Scheduler policy: adaptive, static-dp, static-tp, or manual (headers only).",
     "priority_threshold": "Priority at or above which a request runs in the largest TP group.",
     "preempt": "hard: pause members' DP requests (KV kept) for a bind; soft: let them finish first.",
+    "move_to_dp": "Groups that end at once when DP work waits, their requests moved to DP with their KV: policy, all, off.",
     "light_load": "Adaptive policy: requests per engine below which engines group into TP.",
     "heavy_load": "Adaptive policy: requests per engine above which engines return to DP.",
     "tp_gain": "How much faster a group's measured step must be than one engine's to pick it for latency (0.05 = 5 %).",
@@ -185,6 +196,7 @@ _CHOICES = {
     "platform": PLATFORMS,
     "policy": ("adaptive", "static-dp", "static-tp", "manual"),
     "preempt": PREEMPT_MODES,
+    "move_to_dp": MOVE_MODES,
     "client_priority": TRUST_MODES,
     "client_tp": TRUST_MODES,
 }

@@ -41,7 +41,9 @@ class BindIssuer:
             raise ValueError(f"TP degree {degree} not available; allowed {sorted(self._next)}")
         return next(self._next[degree])
 
-    def make_binds(self, req, degree: int, group: Group | None = None) -> list[tuple[int, Bind]]:
+    def make_binds(
+        self, req, degree: int, group: Group | None = None, reason: str = "explicit"
+    ) -> list[tuple[int, Bind]]:
         """(engine rank, Bind) for every member; the request's marker is removed."""
         req.routing_key = read_mark(req.routing_key).user_key
         group = group or self.choose(degree)
@@ -51,6 +53,7 @@ class BindIssuer:
             ranks=group.ranks,
             req=req,
             issued_at=time.time(),
+            reason=reason,
         )
         self.issued += 1
         return [(rank, bind) for rank in group.ranks]
@@ -116,6 +119,7 @@ def binds_for(controller, req) -> list[tuple[int, Bind]]:
                        "dispatching in DP", req.rid, degree, issuer.degrees)
         return []
     cfg = get_config()
+    reason = marker.reason or "explicit"
     if degree and marker.reason == "priority" and not _priority_pays(controller, req):
         return []
     if degree and marker.reason == "priority" and cfg.priority_max_paused >= 0:
@@ -124,7 +128,8 @@ def binds_for(controller, req) -> list[tuple[int, Bind]]:
             return []
     elif not degree and not feature and cfg.policy == "adaptive":
         degree = _adaptive_degree(controller, req)  # the group's leader reports it
-    return issuer.make_binds(req, degree, group) if degree else []
+        reason = "policy"
+    return issuer.make_binds(req, degree, group, reason) if degree else []
 
 
 def _priority_group(controller, req, degree: int, bound: int) -> Group | None:

@@ -26,7 +26,10 @@ def attach(scheduler) -> None:
     prefix = address.replace(":", "_")
     pool = CommPool.create(address, dp_rank, num_engines, degrees, prefix=prefix)
     dp_limit = min(int(scheduler.max_req_len), int(scheduler.model_config.context_len))
-    engine = FlyingEngine(dp_rank, pool, cfg.bind_timeout_s, cfg.preempt, dp_limit=dp_limit)
+    engine = FlyingEngine(
+        dp_rank, pool, cfg.bind_timeout_s, cfg.preempt, dp_limit=dp_limit,
+        move_to_dp=cfg.move_to_dp,
+    )
     engine.prepare(scheduler)  # every degree's views, KV view and backend, now
     set_engine(engine)
     status.publish(pool.store, dp_rank, engine, scheduler)

@@ -329,6 +329,8 @@ def placement(degree: int, dp_rank: int | None, reason: str = "") -> dict | None
             info["reason"] = reason
     else:
         info = {"mode": "tp", "degree": degree, "ranks": list(range(dp_rank, dp_rank + degree))}
+        if reason:  # the group handed the request to DP mid-request
+            info["moved"] = reason
     if node := get_config().node_name:
         info["node"] = node
     return info

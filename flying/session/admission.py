@@ -118,5 +118,5 @@ def admit(engine, scheduler, member, session, keys: list[int]) -> int:
     for bind, res in zip(binds[:agreed], reservations[:agreed], strict=True):
         engine.pending.remove(bind)
         session.grow(res)
-        session.hand(scheduler, bind.req)
+        session.hand(scheduler, bind.req, bind.reason)
     return agreed

@@ -33,3 +33,10 @@ class EngineCounters:
     session_s_sum: float = 0.0
     last_switch_ms: dict[str, float] = field(default_factory=dict)
     last_fault: str = ""
+    #: requests a group handed to DP with their KV (counted on the leader), their
+    #: tokens of context, the KV bytes received from peers, and the move's time
+    moved_to_dp: int = 0
+    moved_tokens: int = 0
+    moved_bytes: int = 0
+    move_ms_sum: float = 0.0
+    move_ms_max: float = 0.0

@@ -60,12 +60,14 @@ STATUS_EVERY_S = 0.1
 class FlyingEngine(Lifecycle, Drain):
     def __init__(
         self, dp_rank: int, pool: CommPool | None, bind_timeout_s: float, preempt: str = "hard",
-        dp_limit: int = 0,
+        dp_limit: int = 0, move_to_dp: str = "policy",
     ):
         self.dp_rank = dp_rank
         self.pool = pool
         self.bind_timeout_s = bind_timeout_s
         self.preempt = preempt
+        #: which sessions hand their requests to DP when DP work waits (``move.allowed``)
+        self.move_to_dp = move_to_dp
         #: The longest request (prompt + output) SGLang admits on this engine in DP mode
         #: (its max_req_len, before any session swaps it): what a request without
         #: max_new_tokens may grow to.

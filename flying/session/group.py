@@ -73,6 +73,7 @@ class GroupSession:
     #: TP steps run while this member had DP work waiting, since its last DP step
     dp_wait_steps: int = 0
     idle_steps: int = 0
+    move_retry_at: int = 0  # the TP step from which a refused move may be tried again
     dp_work: bool = False  # this member has DP work (seen at the last boundary)
     dp_turn: bool = False  # the next boundary runs a DP step if there is DP work
     batch: object = None  # the TP batch of the current step (until the next input boundary)

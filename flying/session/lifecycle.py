@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 
-from flying.session import aborts, admission, containment, exchange, report, tp_scope
+from flying.session import aborts, admission, containment, exchange, move, report, tp_scope
 from flying.session.drain import drain_keys
 from flying.session.drain import scheduler_form as _form
 from flying.session.group import GroupSession, State
@@ -79,7 +79,7 @@ class Lifecycle:
             scope.tokenized[bind.req.rid] = bind.req
             self.faults.check("scope")
             s.t_ready = time.perf_counter()  # switched: the rest is SGLang taking the request
-            scope.hand(scheduler, bind.req)
+            scope.hand(scheduler, bind.req, bind.reason)
         except Exception as exc:  # noqa: BLE001 - containment: this session only
             self._failed(s, exc)
             self._contain(scheduler, s, exc)
@@ -120,6 +120,15 @@ class Lifecycle:
             )
         if shared.offers:
             s.joined += admission.admit(self, scheduler, s.member, s.scope, shared.offers)
+        # DP work waits on a member: a session that may hand its requests to DP moves
+        # them to the leader now (every member decides alike: shared values, lockstep).
+        wants_move = bool(shared.dp_waiting) and self._may_move(s)
+        if wants_move and move.ready(scheduler):
+            moved = move.to_dp(scheduler, s)
+            if moved is not None:
+                self._moved(scheduler, s, moved)
+                return None
+            s.move_retry_at = s.tp_steps + move.RETRY_STEPS
         plan = _form(scheduler, original)
         batch = plan.batch_to_run
         # What SGLang's loop does next; done here so that containment finds the batch's
@@ -129,7 +138,8 @@ class Lifecycle:
         self.faults.check("step")
         # Admission stays open (DP work runs between group steps, so it never waits
         # for the group); it closes only when a request could not reserve its KV.
-        offers = admission.candidates(self.pending, s.bind) if s.scope.admitting else []
+        admitting = s.scope.admitting and not wants_move  # a moving session takes no one
+        offers = admission.candidates(self.pending, s.bind) if admitting else []
         due = (
             self.aborts.due(containment.session_reqs(scheduler), exchange.MAX_ABORTS)
             if s.is_leader else []
@@ -158,6 +168,27 @@ class Lifecycle:
                 raise RuntimeError(f"flying: TP session made no progress: {_describe(scheduler)}")
         self.poll(scheduler)  # offers to take: their binds may still be in flight
         return None
+
+    def _may_move(self, s: GroupSession) -> bool:
+        return move.allowed(self.move_to_dp, s.scope.reasons) and s.tp_steps >= s.move_retry_at
+
+    def _moved(self, scheduler, s: GroupSession, moved: move.Moved) -> None:
+        """The session's requests now run in DP on the leader: count, report, release."""
+        c = self.counters
+        c.move_ms_sum += moved.ms
+        c.move_ms_max = max(c.move_ms_max, moved.ms)
+        c.moved_bytes += moved.bytes_in
+        if s.is_leader:
+            c.moved_to_dp += moved.requests
+            c.moved_tokens += moved.tokens
+            for req in scheduler.running_batch.reqs[-moved.requests :]:
+                report.moved(req, s.bind.degree, move.MOVED_REASON)
+        logger.info(
+            "flying: engine %d: %d request(s) of bind %s moved to DP on engine %d "
+            "(%d tokens of KV, %.2f ms)", self.dp_rank, moved.requests, s.bind.bind_id,
+            s.bind.ranks[0], moved.tokens, moved.ms,
+        )
+        self._end(scheduler, s, [])
 
     def _failed(self, s: GroupSession, exc: BaseException) -> None:
         """Record a TP step's failure and wake the peers (poisoned segment)."""

@@ -126,3 +126,7 @@ class Bind:
     ranks: tuple[int, ...]
     req: Any  # TokenizedGenerateReqInput, routing key already unmarked
     issued_at: float  # controller's time.time(), for switch-latency accounting
+    #: why the request runs in a group: one of ``REASONS`` ("policy": the adaptive
+    #: policy's light-load rule, whose groups hand their requests to DP when DP work
+    #: arrives; the others keep them, unless --flying-move-to-dp all)
+    reason: str = "explicit"

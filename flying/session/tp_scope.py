@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from flying.session import report
 from flying.substrate import kv_adaptor
 from flying.substrate.toggle import Toggle
@@ -45,14 +47,27 @@ def _runner(scheduler):
 
 def reserve_for(scheduler, tokens: int, degree: int):
     """Reserve DP slots for a TP session, evicting cached DP prefixes if needed."""
-    allocator = scheduler.token_to_kv_pool_allocator
-    slots = -(-tokens // degree)
-    short = slots - allocator.available_size()
+    _make_room(scheduler, -(-tokens // degree))
+    return kv_adaptor.reserve(scheduler.token_to_kv_pool_allocator, tokens, degree)
+
+
+def _make_room(scheduler, slots: int) -> None:
+    """Evict cached DP prefixes until ``slots`` DP slots are free (DP state), if it can."""
+    short = slots - scheduler.token_to_kv_pool_allocator.available_size()
     if short > 0:
         from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
         scheduler.tree_cache.evict(EvictParams(num_tokens=short))
-    return kv_adaptor.reserve(allocator, tokens, degree)
+
+
+def take_dp_slots(scheduler, tokens: int) -> torch.Tensor:
+    """``tokens`` DP slots from the engine's allocator (DP state), evicting cached DP
+    prefixes if needed; raises if the engine has not that many."""
+    _make_room(scheduler, tokens)
+    slots = scheduler.token_to_kv_pool_allocator.alloc(tokens)
+    if slots is None:
+        raise RuntimeError(f"flying: engine has no {tokens} free KV slots for a move")
+    return slots
 
 
 def release(scheduler, reservation) -> None:
@@ -193,6 +208,10 @@ class Scope:
     #: rid -> the request as it arrived (to re-run it in DP if the session fails early)
     tokenized: dict = dataclasses.field(default_factory=dict)
     handed: set = dataclasses.field(default_factory=set)  # rids handed to SGLang
+    reasons: set = dataclasses.field(default_factory=set)  # the binds' reasons (Bind.reason)
+    #: the engine's DP pool and prefix cache (what the TP state swaps out)
+    dp_pool: object = None
+    dp_cache: object = None
 
     @property
     def entered(self) -> bool:
@@ -208,10 +227,11 @@ class Scope:
         self.prepared.layers.leave()
         self.state.leave()
 
-    def hand(self, scheduler, req) -> None:
+    def hand(self, scheduler, req, reason: str = "explicit") -> None:
         """Give a joining request to SGLang (remembered for containment)."""
         self.tokenized[req.rid] = req
         self.handed.add(req.rid)
+        self.reasons.add(reason)
         scheduler.handle_generate_request(req)
         report.mark(scheduler, req.rid, self.prepared.degree)
 
@@ -291,4 +311,7 @@ def open_scope(scheduler, prepared: Prepared, member, reservation, is_leader: bo
     if not is_leader:
         state.add(scheduler.output_streamer, "send_to_detokenizer", _NullSender())
         state.add(scheduler.ipc_channels, "send_to_tokenizer", _NullSender())
-    return Scope(scheduler, prepared, dp_allocator, allocator, [reservation], state, capacity)
+    return Scope(
+        scheduler, prepared, dp_allocator, allocator, [reservation], state, capacity,
+        dp_pool=runner.token_to_kv_pool, dp_cache=scheduler.tree_cache,
+    )

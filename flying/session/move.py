@@ -1,0 +1,157 @@
+"""Ending a group session at once: its running requests move into DP on the leader.
+
+When a member has DP work (the per-step exchange sums it) and the session may hand its
+requests over (``--flying-move-to-dp``: the adaptive policy's light-load groups by
+default), the session does not wait for its requests to finish: at the next TP step
+boundary, on every member at the same step,
+
+1. the session's requests must all be decoding (nothing waiting, no chunked prefill,
+   the last TP batch a decode batch); otherwise the move waits for a later step;
+2. the members leave the TP state and agree (one MIN) that the leader has the DP room:
+   free + evictable slots + the session's own reserved slots >= the requests' tokens
+   plus one decode token each; otherwise the session keeps running and tries again
+   ``RETRY_STEPS`` group steps later (DP work keeps running between group steps);
+3. every member reads its head shard of every token (``kv_relayout.read_block`` on its
+   TP view) and the members exchange them; the leader gives the session's reserved
+   slots back, takes DP slots, writes whole rows (all heads), rewrites the requests'
+   ``req_to_token`` rows, re-homes them in the DP prefix cache (root lock, nothing
+   protected: the tree learns their tokens when they finish, as for any DP request) and
+   merges the TP batch into its DP running batch (SGLang's ``merge_batch``, the way a
+   prefill batch joins it); the other members free their rows;
+4. the session is released on every member.
+
+The requests keep every token they produced and their sampling state (penalties,
+logprobs, stream offsets live in the leader's ``Req`` and batch); nothing is
+prefilled again. The leader was the one answering the client, so the stream goes on.
+Invariant: after a move, every KV slot and request row is owned exactly once (the
+leader's DP allocator or a DP request), as after a release.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from flying.session import tp_scope
+from flying.substrate import kv_relayout
+
+logger = logging.getLogger(__name__)
+
+#: Group steps a session waits after a move was refused (no room on the leader).
+RETRY_STEPS = 8
+#: Why a request's report says it left its group.
+MOVED_REASON = "moved to DP with its KV: DP work arrived"
+
+
+def allowed(mode: str, reasons: set[str]) -> bool:
+    """Whether a session whose binds had ``reasons`` may move to DP under ``mode``
+    (``--flying-move-to-dp``)."""
+    if mode == "all":
+        return True
+    return mode == "policy" and bool(reasons) and reasons <= {"policy"}
+
+
+def ready(scheduler) -> bool:
+    """Every request of the session is decoding (same answer on every member: lockstep)."""
+    last = scheduler.last_batch
+    return (
+        not scheduler.waiting_queue
+        and scheduler.chunked_req is None
+        and (last is None or last.forward_mode.is_decode())
+        and not scheduler.running_batch.is_empty()
+    )
+
+
+@dataclass(frozen=True)
+class Moved:
+    requests: int
+    tokens: int
+    bytes_in: int  # KV bytes this member received from its peers
+    ms: float
+
+
+def to_dp(scheduler, s) -> Moved | None:
+    """Move the session's running requests into DP on the leader (every member calls
+    this at the same boundary, in the session's TP state). Returns None, back in the TP
+    state with nothing changed, if the leader lacks room; otherwise the session's scope
+    is left and its requests are gone from it (the caller releases the session)."""
+    t0 = time.perf_counter()
+    batch, last = scheduler.running_batch, scheduler.last_batch
+    batch.filter_batch()
+    reqs = list(batch.reqs)
+    lens = [int(n) for n in batch.seq_lens.tolist()]
+    if not reqs or any(r.kv.kv_allocated_len != n for r, n in zip(reqs, lens, strict=True)):
+        return None
+    table = scheduler.req_to_token_pool.req_to_token
+    tp_slots = torch.cat([table[r.kv.req_pool_idx, :n] for r, n in zip(reqs, lens, strict=True)])
+    scope = s.scope
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+
+    scheduler.running_batch = ScheduleBatch(reqs=[], batch_is_full=False)
+    scheduler.last_batch = None
+    scope.leave()
+    try:
+        tokens = sum(lens)
+        room = 1
+        if s.is_leader:
+            room = int(_room(scheduler, scope) >= tokens + len(reqs))
+        if not s.member.min_int(room):
+            scope.enter()
+            scheduler.running_batch, scheduler.last_batch = batch, last
+            return None
+        shards = kv_relayout.exchange(s.member, kv_relayout.read_block(scope.prepared.tp_pool, tp_slots))
+    except BaseException:
+        if not scope.entered:
+            scope.enter()
+        scheduler.running_batch, scheduler.last_batch = batch, last
+        raise
+    if s.is_leader:
+        _land(scheduler, scope, batch, reqs, lens, kv_relayout.join_shards(shards))
+    else:
+        for req in reqs:
+            scheduler.req_to_token_pool.free(req)
+    peers = len(shards) - 1
+    return Moved(
+        len(reqs), tokens, peers * shards[0].numel() * shards[0].element_size(),
+        (time.perf_counter() - t0) * 1e3,
+    )
+
+
+def _room(scheduler, scope) -> int:
+    """DP slots the leader could give the moved requests (free, evictable in its
+    prefix cache, and the session's own reservations, returned before the move)."""
+    reserved = sum(int(r.dp_slots.numel()) for r in scope.reservations)
+    evictable = int(getattr(scheduler.tree_cache, "evictable_size", lambda: 0)())
+    return scheduler.token_to_kv_pool_allocator.available_size() + evictable + reserved
+
+
+def _land(scheduler, scope, batch, reqs, lens, block: torch.Tensor) -> None:
+    """Leader, DP state: write the gathered rows, re-point the requests at them and
+    merge them into the DP running batch. ``block``: [layers, 2, tokens, H_kv, d]."""
+    scope.release_all()  # their TP sub-slots are read: the reserved rows are free again
+    slots = tp_scope.take_dp_slots(scheduler, block.shape[2])
+    kv_relayout.write_block(scope.dp_pool, slots, block)
+    table = scheduler.req_to_token_pool.req_to_token
+    cache = scheduler.tree_cache
+    start = 0
+    for req, n in zip(reqs, lens, strict=True):
+        table[req.kv.req_pool_idx, :n] = slots[start : start + n].to(table.dtype)
+        start += n
+        # The session's prefix cache is disabled: the request owns all its KV and
+        # holds no tree lock there. In DP it starts at the tree's root, like a request
+        # whose prompt matched nothing.
+        req.kv.cache_protected_len = 0
+        req.kv.cache_inserted_len = 0
+        req.last_node = cache.root_node_handle(req.extra_key)
+        req.lock = cache.lock(req.last_node)
+    batch.token_to_kv_pool_allocator = scheduler.token_to_kv_pool_allocator
+    batch.tree_cache = cache
+    batch.batch_is_full = False
+    if scheduler.running_batch.is_empty():
+        scheduler.running_batch = batch
+    else:
+        scheduler.running_batch.merge_batch(batch)
+        scheduler.running_batch.batch_is_full = False

@@ -1,0 +1,77 @@
+"""KV relayout: move a request's KV between the DP layout and a TP-m group's layout.
+
+One engine in DP holds every KV head of a token in one slot of its pool
+(``k_buffer[l]``: ``[rows, H_kv, d]``). In a TP-m group member ``r`` holds heads
+``[r*H_kv/m, (r+1)*H_kv/m)`` of the token in one TP slot of its own pool's TP view
+(``[rows*m, H_kv/m, d]``, ``flying.substrate.kv_adaptor``). Relayout is a gather of
+head shards (TP -> DP: every member sends its shard, one engine writes whole rows)
+or a scatter (DP -> TP: one engine's rows are cut into shards, each member writes its
+own). Nothing is recomputed; the request's ``req_to_token`` row is rewritten by the
+caller to the slots written here.
+
+Shapes: a *shard block* is ``[layers, 2, n, H_kv/m, d]`` (K then V, n tokens in the
+request's token order); a *full block* is ``[layers, 2, n, H_kv, d]``. Members transfer
+shard blocks (``exchange``): over the group's shared-memory segment in chunks of its
+slot size on one host, over gloo otherwise. The transfer is collective: every member
+calls it with a block of the same shape (lockstep gives every member the same tokens).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def read_block(pool, slots: torch.Tensor) -> torch.Tensor:
+    """The K and V rows of ``slots`` in ``pool`` (a DP pool or a TP view of one):
+    ``[layers, 2, n, heads, d]``, a copy."""
+    idx = slots.to(pool.k_buffer[0].device, torch.int64)
+    return torch.stack(
+        [torch.stack([k[idx], v[idx]]) for k, v in zip(pool.k_buffer, pool.v_buffer, strict=True)]
+    )
+
+
+def write_block(pool, slots: torch.Tensor, block: torch.Tensor) -> None:
+    """Write ``block`` (``[layers, 2, n, heads, d]``, heads = the pool's) into ``slots``."""
+    idx = slots.to(pool.k_buffer[0].device, torch.int64)
+    for layer, (k, v) in enumerate(zip(pool.k_buffer, pool.v_buffer, strict=True)):
+        k[idx] = block[layer, 0].to(k.dtype)
+        v[idx] = block[layer, 1].to(v.dtype)
+
+
+def join_shards(shards: list[torch.Tensor]) -> torch.Tensor:
+    """Shard blocks in TP-rank order -> the full block (heads concatenated)."""
+    return torch.cat(shards, dim=3)
+
+
+def shard_of(block: torch.Tensor, rank: int, degree: int) -> torch.Tensor:
+    """TP rank ``rank``'s heads of a full block: ``[layers, 2, n, H_kv/m, d]``."""
+    h = block.shape[3] // degree
+    return block[:, :, :, rank * h : (rank + 1) * h].contiguous()
+
+
+def exchange(member, block: torch.Tensor) -> list[torch.Tensor]:
+    """Every member's ``block`` (same shape and dtype on all), in TP-rank order.
+
+    Over shared memory the block goes in chunks of at most the segment's slot size
+    (one all-gather each); over gloo, one all-gather.
+    """
+    flat = block.contiguous().view(-1)
+    world = member.group.degree
+    shm = member.shm
+    if shm is not None and flat.is_cpu:
+        per = max(1, shm.slot_bytes // flat.element_size())
+        parts: list[list[torch.Tensor]] = [[] for _ in range(world)]
+        for start in range(0, flat.numel(), per):
+            chunk = flat[start : start + per]
+            got = shm.all_gather(chunk.unsqueeze(0), dim=0)  # [world, c]
+            for r in range(world):
+                parts[r].append(got[r])
+        return [torch.cat(p).view(block.shape) for p in parts]
+    outs = [torch.empty_like(flat) for _ in range(world)]
+    member.pg.allgather([outs], [flat]).wait()
+    return [o.view(block.shape) for o in outs]
+
+
+def block_bytes(layers: int, tokens: int, heads: int, head_dim: int, itemsize: int) -> int:
+    """Bytes of one block: what one member sends per relayout of ``tokens`` tokens."""
+    return layers * 2 * tokens * heads * head_dim * itemsize
