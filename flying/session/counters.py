@@ -35,6 +35,9 @@ class EngineCounters:
     last_fault: str = ""
     #: requests a group handed to DP with their KV (counted on the leader), their
     #: tokens of context, the KV bytes received from peers, and the move's time
+    #: prompt tokens prefilled (a group's prefill counted once, on its leader): a
+    #: request moved between layouts must not add its prompt again
+    prefill_tokens: int = 0
     moved_to_dp: int = 0
     moved_tokens: int = 0
     moved_bytes: int = 0

@@ -194,7 +194,10 @@ class FlyingEngine(Lifecycle, Drain):
 
     def process_batch_result(self, scheduler, original, batch, result):
         s = self.session
-        if s is None or not s.scope.entered:
+        in_group = s is not None and s.scope.entered
+        if batch is not None and batch.forward_mode.is_extend() and (not in_group or s.is_leader):
+            self.counters.prefill_tokens += int(batch.extend_num_tokens or 0)
+        if not in_group:
             return original(scheduler, batch, result)
         if s.failure is not None:
             return None
