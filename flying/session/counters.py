@@ -43,3 +43,6 @@ class EngineCounters:
     moved_bytes: int = 0
     move_ms_sum: float = 0.0
     move_ms_max: float = 0.0
+    #: running DP requests that joined a forming group with their KV (on the leader)
+    moved_to_tp: int = 0
+    moved_tokens_to_tp: int = 0

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 
-from flying.session import aborts, admission, containment, exchange, move, report, tp_scope
+from flying.session import aborts, admission, containment, exchange, join, move, report, tp_scope
 from flying.session.drain import drain_keys
 from flying.session.drain import scheduler_form as _form
 from flying.session.group import GroupSession, State
@@ -67,19 +67,23 @@ class Lifecycle:
             return None
         member = self.pool.member(bind.degree)
         self.counters.binds += 1
-        self.counters.preempted_dp_requests += len(scheduler.running_batch.reqs)
         scope = tp_scope.open_scope(
             scheduler, self.prepared[bind.degree], member, reservation, is_leader, self.faults
         )
         s = GroupSession(bind, member, scope, is_leader, t_bind=t0, t_rendezvous=t_rdv)
         self.session = s
+        scope.tokenized[bind.req.rid] = bind.req  # containment re-runs it if all fails
         try:
+            joining = join.gather(self, scheduler, bind, member, is_leader)
+            self.counters.preempted_dp_requests += len(scheduler.running_batch.reqs)
             scope.enter()
             s.to(State.RUNNING)
-            scope.tokenized[bind.req.rid] = bind.req
             self.faults.check("scope")
             s.t_ready = time.perf_counter()  # switched: the rest is SGLang taking the request
             scope.hand(scheduler, bind.req, bind.reason)
+            if joining is not None:
+                join.land(scheduler, scope, joining)
+                self._joined(s, joining)
         except Exception as exc:  # noqa: BLE001 - containment: this session only
             self._failed(s, exc)
             self._contain(scheduler, s, exc)
@@ -189,6 +193,16 @@ class Lifecycle:
             s.bind.ranks[0], moved.tokens, moved.ms,
         )
         self._end(scheduler, s, [])
+
+    def _joined(self, s: GroupSession, joining: join.Joining) -> None:
+        """The leader's running DP requests joined the forming session."""
+        if s.is_leader:
+            self.counters.moved_to_tp += len(joining.reqs)
+            self.counters.moved_tokens_to_tp += sum(joining.lens)
+        logger.info(
+            "flying: engine %d: %d running DP request(s) joined bind %s (%d tokens of KV)",
+            self.dp_rank, len(joining.reqs), s.bind.bind_id, sum(joining.lens),
+        )
 
     def _failed(self, s: GroupSession, exc: BaseException) -> None:
         """Record a TP step's failure and wake the peers (poisoned segment)."""

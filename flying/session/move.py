@@ -46,6 +46,12 @@ RETRY_STEPS = 8
 MOVED_REASON = "moved to DP with its KV: DP work arrived"
 
 
+def kv_len(req) -> int:
+    """Tokens whose KV a decoding request holds: all but its last output token (the
+    next step's input)."""
+    return len(req.origin_input_ids) + len(req.output_ids) - 1
+
+
 def allowed(mode: str, reasons: set[str]) -> bool:
     """Whether a session whose binds had ``reasons`` may move to DP under ``mode``
     (``--flying-move-to-dp``)."""
@@ -82,7 +88,7 @@ def to_dp(scheduler, s) -> Moved | None:
     batch, last = scheduler.running_batch, scheduler.last_batch
     batch.filter_batch()
     reqs = list(batch.reqs)
-    lens = [int(n) for n in batch.seq_lens.tolist()]
+    lens = [kv_len(r) for r in reqs]
     if not reqs or any(r.kv.kv_allocated_len != n for r, n in zip(reqs, lens, strict=True)):
         return None
     table = scheduler.req_to_token_pool.req_to_token

@@ -87,3 +87,38 @@ def test_a_running_group_request_moves_to_dp_when_dp_work_arrives(move_server, d
     assert after["totals"]["tp_steps"] - before["totals"]["tp_steps"] < 2 * LONG
     for key in ("free_kv_slots", "free_req_rows"):
         assert engine_counter(after, key) == engine_counter(before, key)
+
+
+def test_a_running_dp_request_joins_a_forming_group(move_server, demo_model_dir):
+    before = wait_idle(move_server)
+    dp_prompt, tp_prompt = prompts(2, 36, seed=79)
+    result: dict = {}
+
+    def run_dp():  # pinned to engine 0, the TP-2 group's leader
+        payload = {
+            "input_ids": dp_prompt, "routed_dp_rank": 0,
+            "sampling_params": {"max_new_tokens": LONG, "temperature": 0, "ignore_eos": True},
+        }
+        r = move_server.post("/generate", payload, timeout=600)
+        assert r.status_code == 200, r.text
+        result.update(r.json())
+
+    dp = threading.Thread(target=run_dp, daemon=True)
+    dp.start()
+    deadline = time.monotonic() + 120
+    while _total(status(move_server), "prefill_tokens") - _total(before, "prefill_tokens") < len(dp_prompt):
+        assert time.monotonic() < deadline, "the DP request did not start"
+        time.sleep(0.05)
+    time.sleep(0.5)  # some DP decode steps
+    tp = _greedy(move_server, tp_prompt, SHORT, TP2)
+    dp.join(timeout=600)
+    after = wait_idle(move_server)
+
+    assert tp["meta_info"]["flying"]["mode"] == "tp"
+    assert tp["output_ids"] == greedy_tokens(demo_model_dir, tp_prompt, SHORT)
+    assert result["output_ids"] == greedy_tokens(demo_model_dir, dp_prompt, LONG)
+    assert _total(after, "moved_to_tp") - _total(before, "moved_to_tp") == 1
+    prefilled = _total(after, "prefill_tokens") - _total(before, "prefill_tokens")
+    assert prefilled == len(dp_prompt) + len(tp_prompt), prefilled
+    for key in ("free_kv_slots", "free_req_rows"):
+        assert engine_counter(after, key) == engine_counter(before, key)

@@ -1,0 +1,237 @@
+"""Running DP requests join a group as it forms (DP -> TP relayout, no recompute).
+
+When a session starts (``--flying-move-to-dp`` allows its bind: the adaptive policy's
+light-load groups by default) and no member other than the leader has DP work, the
+leader's running DP requests join the session instead of waiting for it (hard
+preemption) or making it wait (soft): every member reaches ``gather`` right after the
+bind's rendezvous, in its DP state, and
+
+1. the leader shares the candidates' context lengths and KV budgets (one small
+   collective); each member reserves TP room for them and the members agree (a MIN)
+   on how many join;
+2. the leader takes those requests out of its DP batch: it reads their KV rows (every
+   head), hands the rows to its prefix cache the way SGLang releases any request
+   (``release_kv_cache`` with a checkpoint: the tokens stay cached in DP), and sends
+   the requests' state (the ``Req``, pickled without its tokenizer and locks) and the
+   KV to the members;
+3. in the session's TP state (``land``) every member takes a request row and TP slots,
+   writes its own head shard of each token (``kv_relayout.shard_of``), and adds the
+   requests to the session's running batch as a decode batch whose next input is each
+   request's last token (SGLang's ``FutureMap`` relay, as for any decode step).
+
+The leader's ``Req`` objects are the originals (their stream offsets, logprobs and
+sampling state go on); the other members run identical copies and send nothing.
+Nothing is prefilled again. If the session fails later, containment ends joined
+requests like any session request that has streamed (an explicit error).
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+from dataclasses import dataclass, field
+
+import torch
+
+from flying.session import move
+from flying.session.admission import MAX_PER_STEP
+from flying.session.budget import kv_tokens_needed
+from flying.session.move import kv_len
+from flying.substrate import kv_adaptor, kv_relayout
+
+logger = logging.getLogger(__name__)
+
+#: Most DP requests that join one session (fixed width of the first collective).
+MAX_JOIN = MAX_PER_STEP
+_WIDTH = 1 + 2 * MAX_JOIN  # [n, lens..., budgets...]
+
+
+@dataclass
+class Joining:
+    """What one member carries from ``gather`` (DP state) to ``land`` (TP state)."""
+
+    reqs: list  # the leader's own Reqs, or their copies on the other members
+    lens: list[int]  # tokens of KV per request
+    shard: torch.Tensor  # this member's heads: [layers, 2, sum(lens), H_kv/m, d]
+    reservations: list = field(default_factory=list)
+
+
+def eligible(req, seq_len: int) -> bool:
+    """A running DP request that can continue in a group: decoding, nothing DP-only."""
+    return (
+        not req.finished()
+        and req.kv.kv_allocated_len == seq_len
+        and len(req.output_ids) > 0
+        and req.grammar is None
+        and not getattr(req, "custom_logit_processor", None)
+        and getattr(req, "lora_id", None) is None
+        and getattr(req, "multimodal_inputs", None) is None
+        and getattr(req, "session", None) is None
+        and not getattr(req, "return_hidden_states", False)
+    )
+
+
+def gather(engine, scheduler, bind, member, is_leader: bool) -> Joining | None:
+    """Every member of a forming session, DP state, after the rendezvous: agree on the
+    leader's DP requests that join and carry their KV over. None if none join."""
+    if not move.allowed(engine.move_to_dp, {bind.reason}):
+        return None
+    degree = bind.degree
+    lens: list[int] = []
+    budgets: list[int] = []
+    picked: list = []
+    if is_leader:
+        for req in scheduler.running_batch.reqs:
+            n = kv_len(req)
+            if len(picked) < MAX_JOIN and eligible(req, n):
+                picked.append(req)
+                lens.append(n)
+                left = req.sampling_params.max_new_tokens - len(req.output_ids)
+                budgets.append(kv_tokens_needed(int(n), max(left, 1), engine.dp_limit))
+    values = [len(picked), *_padded(lens), *_padded(budgets)]
+    busy_peer = int(not is_leader and engine_has_dp_work(scheduler))
+    shared, busy_peers = member.share_ints(values, _WIDTH, own=busy_peer)
+    n = shared[0]
+    if n == 0 or busy_peers:
+        return None
+    lens, budgets = shared[1 : 1 + n], shared[1 + MAX_JOIN : 1 + MAX_JOIN + n]
+    reservations = []
+    for tokens in budgets:
+        res = kv_adaptor.reserve(scheduler.token_to_kv_pool_allocator, tokens, degree)
+        if res is None:
+            break
+        reservations.append(res)
+    k = member.min_int(len(reservations))
+    for res in reservations[k:]:
+        kv_adaptor.release(scheduler.token_to_kv_pool_allocator, res)
+    if k == 0:
+        return None
+    lens = lens[:k]
+    block, payload = (_take_out(scheduler, picked[:k]) if is_leader else (None, b""))
+    payload = _broadcast_bytes(member, payload)
+    block = _broadcast_block(member, block, scheduler, sum(lens), is_leader)
+    reqs = picked[:k] if is_leader else _copies(scheduler, payload)
+    return Joining(reqs, lens, kv_relayout.shard_of(block, member.tp_rank, degree), reservations[:k])
+
+
+def land(scheduler, scope, joining: Joining) -> None:
+    """Session TP state: the joining requests get rows and TP slots holding this
+    member's shard, and join the session's running batch as decode requests."""
+    from sglang.srt.managers.overlap_utils import RelayPayload
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
+
+    for res in joining.reservations:
+        scope.grow(res)
+    reqs, lens = joining.reqs, joining.lens
+    if scheduler.req_to_token_pool.alloc(reqs) is None:
+        raise RuntimeError("flying: no request rows for the requests joining the group")
+    allocator = scheduler.token_to_kv_pool_allocator  # the session's
+    slots = allocator.alloc(sum(lens))
+    if slots is None:
+        raise RuntimeError("flying: no TP slots for the requests joining the group")
+    kv_relayout.write_block(scope.prepared.tp_pool, slots, joining.shard)
+    table = scheduler.req_to_token_pool.req_to_token
+    cache = scheduler.tree_cache  # the session's (disabled) prefix cache
+    start = 0
+    for req, n in zip(reqs, lens, strict=True):
+        table[req.kv.req_pool_idx, :n] = slots[start : start + n].to(table.dtype)
+        start += n
+        req.kv.kv_allocated_len = req.kv.kv_committed_len = n
+        req.kv.cache_protected_len = req.kv.cache_inserted_len = 0
+        req.last_node = cache.root_node_handle(req.extra_key)
+        req.lock = cache.lock(req.last_node)
+    batch = ScheduleBatch.init_new(
+        reqs, scheduler.req_to_token_pool, allocator, cache, scheduler.model_config,
+        False, scheduler.spec_algorithm,
+    )
+    rows = [r.kv.req_pool_idx for r in reqs]
+    device = batch.device
+    batch.forward_mode = ForwardMode.DECODE
+    batch.req_pool_indices = torch.tensor(rows, dtype=torch.int64, device=device)
+    batch.req_pool_indices_cpu = torch.tensor(rows, dtype=torch.int64)
+    batch.seq_lens = torch.tensor(lens, dtype=torch.int64, device=device)
+    batch.seq_lens_cpu = torch.tensor(lens, dtype=torch.int64)
+    batch.orig_seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    batch.seq_lens_sum = sum(lens)
+    batch.input_ids = None
+    if batch.return_logprob:
+        batch.top_logprobs_nums = [r.logprob.top_logprobs_num for r in reqs]
+        batch.token_ids_logprobs = [r.logprob.token_ids_logprob for r in reqs]
+    batch.sampling_info = SamplingBatchInfo.from_schedule_batch(batch, scheduler.model_config.vocab_size)
+    last = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64, device=device)
+    scheduler.future_map.stash(batch.req_pool_indices, RelayPayload(bonus_tokens=last))
+    if scheduler.running_batch.is_empty():
+        scheduler.running_batch = batch
+    else:
+        scheduler.running_batch.merge_batch(batch)
+
+
+def engine_has_dp_work(scheduler) -> bool:
+    from flying.session.drain import nothing_running
+
+    return bool(scheduler.waiting_queue) or not nothing_running(scheduler)
+
+
+def _padded(values: list[int]) -> list[int]:
+    return [*values, *[0] * (MAX_JOIN - len(values))]
+
+
+def _take_out(scheduler, reqs: list) -> tuple[torch.Tensor, bytes]:
+    """Leader, DP state: the requests' KV (every head) and their pickled state; they
+    leave the DP batch and their rows go back to the prefix cache (tokens kept)."""
+    from sglang.srt.mem_cache.common import release_kv_cache
+
+    table = scheduler.req_to_token_pool.req_to_token
+    batch = scheduler.running_batch
+    idx = [batch.reqs.index(r) for r in reqs]
+    lens = [kv_len(r) for r in reqs]
+    slots = torch.cat([table[r.kv.req_pool_idx, :n] for r, n in zip(reqs, lens, strict=True)])
+    block = kv_relayout.read_block(scheduler.tp_worker.model_runner.token_to_kv_pool, slots)
+    keep = [i for i in range(len(batch.reqs)) if i not in set(idx)]
+    batch.filter_batch(keep_indices=keep)
+    for req in reqs:
+        release_kv_cache(req, scheduler.tree_cache, checkpoint=True)
+    return block, _pickled(reqs)
+
+
+def _pickled(reqs: list) -> bytes:
+    """The requests' state without what a copy must not share (tokenizer, tree locks,
+    the leader's timing and metrics state)."""
+    saved = [(r.tokenizer, r.lock, r.last_node, r.time_stats) for r in reqs]
+    try:
+        for r in reqs:
+            r.tokenizer = r.lock = r.last_node = r.time_stats = None
+        return pickle.dumps(reqs, protocol=pickle.HIGHEST_PROTOCOL)
+    finally:
+        for r, (tok, lock, node, stats) in zip(reqs, saved, strict=True):
+            r.tokenizer, r.lock, r.last_node, r.time_stats = tok, lock, node, stats
+
+
+def _copies(scheduler, payload: bytes) -> list:
+    """The leader's requests as this member runs them (it sends nothing for them)."""
+    from sglang.srt.observability.req_time_stats import SchedulerReqTimeStats
+
+    reqs = pickle.loads(payload)
+    for r in reqs:
+        r.tokenizer = scheduler.tokenizer
+        r.time_stats = SchedulerReqTimeStats()
+    return reqs
+
+
+def _broadcast_bytes(member, data: bytes) -> bytes:
+    """The leader's ``data`` on every member (its length first, then the bytes)."""
+    (size,), _ = member.share_ints([len(data)], 1)
+    buf = torch.zeros(size, dtype=torch.uint8)
+    if data:
+        buf[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return kv_relayout.exchange(member, buf)[0].numpy().tobytes()
+
+
+def _broadcast_block(member, block, scheduler, tokens: int, is_leader: bool) -> torch.Tensor:
+    """The leader's full block on every member (``[layers, 2, tokens, H_kv, d]``)."""
+    pool = scheduler.tp_worker.model_runner.token_to_kv_pool  # the DP pool (DP state)
+    shape = (len(pool.k_buffer), 2, tokens, *pool.k_buffer[0].shape[1:])
+    mine = block if is_leader else torch.zeros(shape, dtype=pool.k_buffer[0].dtype)
+    return kv_relayout.exchange(member, mine)[0]
