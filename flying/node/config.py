@@ -179,7 +179,7 @@ _HELP = {
     "policy": "Scheduler policy: adaptive, static-dp, static-tp, or manual (headers only).",
     "priority_threshold": "Priority at or above which a request runs in the largest TP group.",
     "preempt": "hard: pause members' DP requests (KV kept) for a bind; soft: let them finish first.",
-    "move_to_dp": "Groups that end at once when DP work waits, their requests moved to DP with their KV: policy, all, off.",
+    "move_to_dp": "Groups whose running requests move between layouts with their KV: policy, all, off.",
     "light_load": "Adaptive policy: requests per engine below which engines group into TP.",
     "heavy_load": "Adaptive policy: requests per engine above which engines return to DP.",
     "tp_gain": "How much faster a group's measured step must be than one engine's to pick it for latency (0.05 = 5 %).",
