@@ -46,3 +46,4 @@ class EngineCounters:
     #: running DP requests that joined a forming group with their KV (on the leader)
     moved_to_tp: int = 0
     moved_tokens_to_tp: int = 0
+    join_ms_sum: float = 0.0

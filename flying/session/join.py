@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -54,6 +55,7 @@ class Joining:
     lens: list[int]  # tokens of KV per request
     shard: torch.Tensor  # this member's heads: [layers, 2, sum(lens), H_kv/m, d]
     reservations: list = field(default_factory=list)
+    t_agreed: float = 0.0  # perf_counter when the members agreed on the joining requests
 
 
 def eligible(req, seq_len: int) -> bool:
@@ -106,12 +108,15 @@ def gather(engine, scheduler, bind, member, is_leader: bool) -> Joining | None:
         kv_adaptor.release(scheduler.token_to_kv_pool_allocator, res)
     if k == 0:
         return None
+    t_agreed = time.perf_counter()
     lens = lens[:k]
     block, payload = (_take_out(scheduler, picked[:k]) if is_leader else (None, b""))
     payload = _broadcast_bytes(member, payload)
     block = _broadcast_block(member, block, scheduler, sum(lens), is_leader)
     reqs = picked[:k] if is_leader else _copies(scheduler, payload)
-    return Joining(reqs, lens, kv_relayout.shard_of(block, member.tp_rank, degree), reservations[:k])
+    return Joining(
+        reqs, lens, kv_relayout.shard_of(block, member.tp_rank, degree), reservations[:k], t_agreed
+    )
 
 
 def land(scheduler, scope, joining: Joining) -> None:

@@ -83,7 +83,7 @@ class Lifecycle:
             scope.hand(scheduler, bind.req, bind.reason)
             if joining is not None:
                 join.land(scheduler, scope, joining)
-                self._joined(s, joining)
+                self._joined(s, joining, (time.perf_counter() - joining.t_agreed) * 1e3)
         except Exception as exc:  # noqa: BLE001 - containment: this session only
             self._failed(s, exc)
             self._contain(scheduler, s, exc)
@@ -194,14 +194,15 @@ class Lifecycle:
         )
         self._end(scheduler, s, [])
 
-    def _joined(self, s: GroupSession, joining: join.Joining) -> None:
+    def _joined(self, s: GroupSession, joining: join.Joining, ms: float) -> None:
         """The leader's running DP requests joined the forming session."""
+        self.counters.join_ms_sum += ms
         if s.is_leader:
             self.counters.moved_to_tp += len(joining.reqs)
             self.counters.moved_tokens_to_tp += sum(joining.lens)
         logger.info(
-            "flying: engine %d: %d running DP request(s) joined bind %s (%d tokens of KV)",
-            self.dp_rank, len(joining.reqs), s.bind.bind_id, sum(joining.lens),
+            "flying: engine %d: %d running DP request(s) joined bind %s (%d tokens of KV, %.2f ms)",
+            self.dp_rank, len(joining.reqs), s.bind.bind_id, sum(joining.lens), ms,
         )
 
     def _failed(self, s: GroupSession, exc: BaseException) -> None:

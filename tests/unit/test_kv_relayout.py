@@ -1,0 +1,77 @@
+"""KV relayout on tensors: a request's rows gathered from TP shards into DP rows and
+scattered back give the same K and V, head by head (``flying.substrate.kv_relayout``)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from flying.session.move import allowed
+from flying.substrate import kv_adaptor, kv_relayout
+
+LAYERS, ROWS, HEADS, DIM = 3, 32, 4, 8
+
+
+def _pool(seed: int = 0) -> SimpleNamespace:
+    """A stand-in with the MHA pool's buffer layout: per layer [rows, H_kv, d]."""
+    g = torch.Generator().manual_seed(seed)
+    return SimpleNamespace(
+        k_buffer=[torch.randn(ROWS, HEADS, DIM, generator=g) for _ in range(LAYERS)],
+        v_buffer=[torch.randn(ROWS, HEADS, DIM, generator=g) for _ in range(LAYERS)],
+        head_num=HEADS, head_dim=DIM, v_head_dim=DIM, size=ROWS - 1, page_size=1,
+    )
+
+
+def _tp_view(pool, m: int) -> SimpleNamespace:
+    return SimpleNamespace(
+        k_buffer=[b.view(ROWS * m, HEADS // m, DIM) for b in pool.k_buffer],
+        v_buffer=[b.view(ROWS * m, HEADS // m, DIM) for b in pool.v_buffer],
+    )
+
+
+def test_gather_of_member_shards_is_the_full_row():
+    m = 2
+    members = [_pool(seed=r) for r in range(m)]  # each member's own pool
+    tp_slots = [torch.tensor([5, 9, 2]), torch.tensor([7, 3, 11])]  # per member, token order
+    shards = [
+        kv_relayout.read_block(_tp_view(p, m), s) for p, s in zip(members, tp_slots, strict=True)
+    ]
+    assert shards[0].shape == (LAYERS, 2, 3, HEADS // m, DIM)
+    dp = _pool(seed=9)
+    dp_slots = torch.tensor([1, 4, 6])
+    kv_relayout.write_block(dp, dp_slots, kv_relayout.join_shards(shards))
+    for layer in range(LAYERS):
+        for r in range(m):
+            heads = slice(r * HEADS // m, (r + 1) * HEADS // m)
+            mine = _tp_view(members[r], m)
+            assert torch.equal(dp.k_buffer[layer][dp_slots][:, heads], mine.k_buffer[layer][tp_slots[r]])
+            assert torch.equal(dp.v_buffer[layer][dp_slots][:, heads], mine.v_buffer[layer][tp_slots[r]])
+
+
+def test_scatter_then_gather_round_trips():
+    m = 2
+    dp = _pool(seed=1)
+    rows = torch.tensor([3, 0, 17, 8])
+    block = kv_relayout.read_block(dp, rows)
+    members = [_pool(seed=10 + r) for r in range(m)]
+    slots = kv_adaptor.sub_slots(torch.tensor([2, 5]), m)  # 4 TP slots per member
+    for r in range(m):
+        kv_relayout.write_block(_tp_view(members[r], m), slots, kv_relayout.shard_of(block, r, m))
+    back = kv_relayout.join_shards(
+        [kv_relayout.read_block(_tp_view(members[r], m), slots) for r in range(m)]
+    )
+    assert torch.equal(back, block)
+
+
+def test_block_bytes():
+    assert kv_relayout.block_bytes(4, 1000, 2, 32, 4) == 4 * 2 * 1000 * 2 * 32 * 4
+
+
+def test_which_sessions_move():
+    assert allowed("policy", {"policy"})
+    assert not allowed("policy", {"policy", "explicit"})
+    assert not allowed("policy", {"priority"})
+    assert not allowed("policy", set())
+    assert allowed("all", {"explicit", "long"})
+    assert not allowed("off", {"policy"})
