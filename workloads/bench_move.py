@@ -45,16 +45,17 @@ def _generate(server, ids: list[int], new: int, headers: dict | None = None, **e
     r.raise_for_status()
 
 
-def _wait(cond, what: str, timeout: float = 300) -> None:
+def _wait(cond, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while not cond():
         if time.monotonic() > deadline:
-            raise TimeoutError(what)
+            return False
         time.sleep(0.02)
+    return True
 
 
-def _one(server, ids: list[int], to_dp: bool) -> tuple[float, int, int]:
-    """One move; (ms, tokens, bytes received by the leader)."""
+def _one(server, ids: list[int], to_dp: bool) -> tuple[float, int, int] | None:
+    """One move; (ms, tokens, bytes received by the leader), or None if none happened."""
     before = _leader(server)
     long_kw = {} if to_dp else {"routed_dp_rank": 0}
     long = threading.Thread(
@@ -63,13 +64,15 @@ def _one(server, ids: list[int], to_dp: bool) -> tuple[float, int, int]:
     )
     long.start()
     # Decoding: its prompt is prefilled (and, in a group, a few steps have run).
-    _wait(lambda: _leader(server)["prefill_tokens"] - before["prefill_tokens"] >= len(ids),
-          "the long request did not start")
+    if not _wait(lambda: _leader(server)["prefill_tokens"] - before["prefill_tokens"] >= len(ids), 300):
+        raise TimeoutError("the long request did not start")
     time.sleep(0.2)
     _generate(server, ids[:8], 4, None if to_dp else TP2)
     key = "moved_to_dp" if to_dp else "moved_to_tp"
-    _wait(lambda: _leader(server)[key] > before[key], f"no move ({key})")
+    moved = _wait(lambda: _leader(server)[key] > before[key], 10)
     long.join(timeout=600)
+    if not moved:
+        return None
     after = _leader(server)
     if to_dp:
         return (after["move_ms_sum"] - before["move_ms_sum"],
@@ -87,19 +90,23 @@ def run(model_args: list[str], contexts: list[int], repeats: int, out: Path) -> 
          "--flying-policy", "static-dp", "--flying-tp-gain", "-10", "--flying-move-to-dp", "all"],
         out / "server.log",
     )
-    rows = ["| direction | context tokens | moved tokens | ms per move (median) | ms per 1k tokens | KV bytes from the peer |",
-            "|---|---|---|---|---|---|"]
+    rows = ["| direction | context tokens | moves | moved tokens | ms per move (median) | ms per 1k tokens | KV bytes from the peer |",
+            "|---|---|---|---|---|---|---|"]
     try:
         for n in contexts:
             for to_dp in (True, False):
-                got = [_one(server, _prompts(1, n, seed=100 * n + i + 7 * to_dp)[0], to_dp)
-                       for i in range(repeats)]
+                tries = [_one(server, _prompts(1, n, seed=100 * n + i + 7 * to_dp)[0], to_dp)
+                         for i in range(repeats)]
+                got = [g for g in tries if g is not None]
+                if not got:
+                    rows.append(f"| {'TP-2 -> DP' if to_dp else 'DP -> TP-2'} | {n} | 0/{repeats} | | | | |")
+                    continue
                 ms = statistics.median(g[0] for g in got)
                 tokens = statistics.median(g[1] for g in got)
                 nbytes = statistics.median(g[2] for g in got)
                 peer = f"{nbytes / 2**20:.2f} MiB" if to_dp else "all heads (broadcast)"
                 rows.append(
-                    f"| {'TP-2 -> DP' if to_dp else 'DP -> TP-2'} | {n} | {tokens:.0f} | "
+                    f"| {'TP-2 -> DP' if to_dp else 'DP -> TP-2'} | {n} | {len(got)}/{repeats} | {tokens:.0f} | "
                     f"{ms:.2f} | {ms / (tokens / 1000):.2f} | {peer} |"
                 )
     finally:

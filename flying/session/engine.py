@@ -35,7 +35,7 @@ import logging
 import time
 from collections import deque
 
-from flying.session import status, tp_scope
+from flying.session import move, status, tp_scope
 from flying.session.aborts import AbortBook
 from flying.session.counters import EngineCounters
 from flying.session.drain import Drain, nothing_running
@@ -86,6 +86,7 @@ class FlyingEngine(Lifecycle, Drain):
         self.prepared: dict[int, tp_scope.Prepared] = {}
         self.aborts = AbortBook()
         self.faults = FaultSwitch(pool.store if pool else None, dp_rank)
+        self._merged_for = ""  # the bind that waited one DP step (``_merge_first``)
         self._status_at = 0.0
         self._published_busy = False
 
@@ -162,6 +163,10 @@ class FlyingEngine(Lifecycle, Drain):
                 plan = self._drain_step(scheduler, original)
                 self.publish(scheduler, force=not was_draining, plan=plan)
                 return plan
+            if self._merge_first(scheduler):
+                plan = _form(scheduler, original)
+                self.publish(scheduler, plan=plan)
+                return plan
             s = self._bind(scheduler, self.pending.popleft())
         if s is not None:
             s.dp_work = _has_dp_work(scheduler)
@@ -181,6 +186,24 @@ class FlyingEngine(Lifecycle, Drain):
         plan = _form(scheduler, original)
         self.publish(scheduler, plan=plan)  # cheap unless due: /flying/status stays current
         return plan
+
+    def _merge_first(self, scheduler) -> bool:
+        """Whether the pending bind waits one DP step (once per bind): requests this
+        engine just prefilled sit in SGLang's last batch until the next step merges them
+        into its running batch, and only running requests can join a forming group
+        (``join``); the peers wait for this member in the bind's rendezvous."""
+        bind = self.pending[0]
+        last = scheduler.last_batch
+        if (
+            bind.bind_id == self._merged_for
+            or not move.allowed(self.move_to_dp, {bind.reason})
+            or last is None
+            or not last.forward_mode.is_extend()
+            or scheduler.chunked_req is not None
+        ):
+            return False
+        self._merged_for = bind.bind_id
+        return True
 
     def run_batch(self, scheduler, original, batch):
         s = self.session
@@ -208,9 +231,9 @@ class FlyingEngine(Lifecycle, Drain):
             return None
 
     def publish(self, scheduler, force: bool = False, plan=None) -> None:
-        """Refresh the engine's status in the store: on events (``force``), at most every
-        ``STATUS_EVERY_S`` while busy, and at once when the engine falls idle, so that
-        /flying/status is current when read (an idle engine does not step)."""
+        """Refresh the engine's status in the store: on events (``force``), when the engine
+        becomes busy or falls idle, and at most every ``STATUS_EVERY_S`` while busy, so
+        that /flying/status is current when read (an idle engine does not step)."""
         if self.pool is None:
             return
         now = time.monotonic()
@@ -218,8 +241,11 @@ class FlyingEngine(Lifecycle, Drain):
         batch = plan.batch_to_run if plan is not None else None
         busy = bool(scheduler.waiting_queue) or batch is not None or not running.is_empty()
         busy = busy or self.session is not None
-        went_idle = self._published_busy and not busy
-        if force or went_idle or now - self._status_at >= STATUS_EVERY_S:
+        # On every busy <-> idle change too: work that starts and ends between two
+        # timed refreshes would otherwise never be published (an idle engine does not
+        # step, so nothing refreshes it later).
+        changed = busy != self._published_busy
+        if force or changed or now - self._status_at >= STATUS_EVERY_S:
             self._status_at = now
             self._published_busy = busy
             status.publish(self.pool.store, self.dp_rank, self, scheduler)

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flying.session import move
+from flying.session import move, tp_scope
 from flying.session.admission import MAX_PER_STEP
 from flying.session.budget import kv_tokens_needed
 from flying.session.move import kv_len
@@ -99,7 +99,7 @@ def gather(engine, scheduler, bind, member, is_leader: bool) -> Joining | None:
     lens, budgets = shared[1 : 1 + n], shared[1 + MAX_JOIN : 1 + MAX_JOIN + n]
     reservations = []
     for tokens in budgets:
-        res = kv_adaptor.reserve(scheduler.token_to_kv_pool_allocator, tokens, degree)
+        res = tp_scope.reserve_for(scheduler, tokens, degree)  # evicts cached DP prefixes
         if res is None:
             break
         reservations.append(res)
@@ -112,11 +112,9 @@ def gather(engine, scheduler, bind, member, is_leader: bool) -> Joining | None:
     lens = lens[:k]
     block, payload = (_take_out(scheduler, picked[:k]) if is_leader else (None, b""))
     payload = _broadcast_bytes(member, payload)
-    block = _broadcast_block(member, block, scheduler, sum(lens), is_leader)
+    shard = _scatter(member, block, scheduler, sum(lens), degree)
     reqs = picked[:k] if is_leader else _copies(scheduler, payload)
-    return Joining(
-        reqs, lens, kv_relayout.shard_of(block, member.tp_rank, degree), reservations[:k], t_agreed
-    )
+    return Joining(reqs, lens, shard, reservations[:k], t_agreed)
 
 
 def land(scheduler, scope, joining: Joining) -> None:
@@ -234,9 +232,18 @@ def _broadcast_bytes(member, data: bytes) -> bytes:
     return kv_relayout.exchange(member, buf)[0].numpy().tobytes()
 
 
-def _broadcast_block(member, block, scheduler, tokens: int, is_leader: bool) -> torch.Tensor:
-    """The leader's full block on every member (``[layers, 2, tokens, H_kv, d]``)."""
+def _scatter(member, block, scheduler, tokens: int, degree: int) -> torch.Tensor:
+    """This member's head shard of the leader's full block ``[layers, 2, tokens, H_kv, d]``
+    (``block`` is None off the leader). The leader (TP rank 0) keeps its own heads and
+    sends the others' in one exchange; the other members send zeros of that shape."""
+    if member.tp_rank == 0:
+        others = block[:, :, :, block.shape[3] // degree :].contiguous()
+        kv_relayout.exchange(member, others)
+        return kv_relayout.shard_of(block, 0, degree)
     pool = scheduler.tp_worker.model_runner.token_to_kv_pool  # the DP pool (DP state)
-    shape = (len(pool.k_buffer), 2, tokens, *pool.k_buffer[0].shape[1:])
-    mine = block if is_leader else torch.zeros(shape, dtype=pool.k_buffer[0].dtype)
-    return kv_relayout.exchange(member, mine)[0]
+    heads, dim = pool.k_buffer[0].shape[1:]
+    h = heads // degree
+    shape = (len(pool.k_buffer), 2, tokens, heads - h, dim)
+    others = kv_relayout.exchange(member, torch.zeros(shape, dtype=pool.k_buffer[0].dtype))[0]
+    r = member.tp_rank - 1
+    return others[:, :, :, r * h : (r + 1) * h].contiguous()
