@@ -90,7 +90,7 @@ def run(model_args: list[str], contexts: list[int], repeats: int, out: Path) -> 
          "--flying-policy", "static-dp", "--flying-tp-gain", "-10", "--flying-move-to-dp", "all"],
         out / "server.log",
     )
-    rows = ["| direction | context tokens | moves | moved tokens | ms per move (median) | ms per 1k tokens | KV bytes from the peer |",
+    rows = ["| direction | context tokens | moves | moved tokens | ms per move (median) | ms per 1k tokens | KV bytes between the members |",
             "|---|---|---|---|---|---|---|"]
     try:
         for n in contexts:
@@ -104,7 +104,7 @@ def run(model_args: list[str], contexts: list[int], repeats: int, out: Path) -> 
                 ms = statistics.median(g[0] for g in got)
                 tokens = statistics.median(g[1] for g in got)
                 nbytes = statistics.median(g[2] for g in got)
-                peer = f"{nbytes / 2**20:.2f} MiB" if to_dp else "all heads (broadcast)"
+                peer = f"{nbytes / 2**20:.2f} MiB" if to_dp else "the same, leader -> member"
                 rows.append(
                     f"| {'TP-2 -> DP' if to_dp else 'DP -> TP-2'} | {n} | {len(got)}/{repeats} | {tokens:.0f} | "
                     f"{ms:.2f} | {ms / (tokens / 1000):.2f} | {peer} |"

@@ -111,10 +111,30 @@ def gather(engine, scheduler, bind, member, is_leader: bool) -> Joining | None:
     t_agreed = time.perf_counter()
     lens = lens[:k]
     block, payload = (_take_out(scheduler, picked[:k]) if is_leader else (None, b""))
-    payload = _broadcast_bytes(member, payload)
-    shard = _scatter(member, block, scheduler, sum(lens), degree)
-    reqs = picked[:k] if is_leader else _copies(scheduler, payload)
+    try:
+        payload = _broadcast_bytes(member, payload)
+        shard = _scatter(member, block, scheduler, sum(lens), degree)
+        reqs = picked[:k] if is_leader else _copies(scheduler, payload)
+    except BaseException as exc:
+        if is_leader:  # they left the DP batch: answer them, or their clients wait forever
+            abort(scheduler, picked[:k], f"moving into a TP-{degree} group failed: {exc}")
+        raise
     return Joining(reqs, lens, shard, reservations[:k], t_agreed)
+
+
+def abort(scheduler, reqs: list, message: str) -> None:
+    """Leader: end requests taken out of DP that did not reach the session's batch
+    (containment cannot see them) with an explicit error."""
+    from sglang.srt.managers.io_struct import AbortReq
+
+    from flying.session.containment import FAULT_STATUS
+
+    reason = {"type": "abort", "message": message, "status_code": FAULT_STATUS,
+              "err_type": "FlyingGroupFault"}
+    for req in reqs:
+        if req.kv.holds_kv:
+            scheduler.req_to_token_pool.free(req)
+        scheduler.send_abort_output(AbortReq(rid=req.rid, finished_reason=reason), req)
 
 
 def land(scheduler, scope, joining: Joining) -> None:

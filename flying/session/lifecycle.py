@@ -73,6 +73,7 @@ class Lifecycle:
         s = GroupSession(bind, member, scope, is_leader, t_bind=t0, t_rendezvous=t_rdv)
         self.session = s
         scope.tokenized[bind.req.rid] = bind.req  # containment re-runs it if all fails
+        joining, landed = None, False
         try:
             joining = join.gather(self, scheduler, bind, member, is_leader)
             self.counters.preempted_dp_requests += len(scheduler.running_batch.reqs)
@@ -83,8 +84,11 @@ class Lifecycle:
             scope.hand(scheduler, bind.req, bind.reason)
             if joining is not None:
                 join.land(scheduler, scope, joining)
+                landed = True
                 self._joined(s, joining, (time.perf_counter() - joining.t_agreed) * 1e3)
         except Exception as exc:  # noqa: BLE001 - containment: this session only
+            if joining is not None and not landed and is_leader:
+                join.abort(scheduler, joining.reqs, f"joining a TP-{bind.degree} group failed: {exc}")
             self._failed(s, exc)
             self._contain(scheduler, s, exc)
             return None
