@@ -38,3 +38,14 @@ def wait_idle(server, timeout: float = 60.0) -> dict:
 def engine_counter(doc: dict, key: str) -> list:
     """``key`` of every engine in a status document, by rank."""
     return [e.get(key) for e in sorted(doc["engines"], key=lambda e: e["rank"])]
+
+
+def greedy(server, ids: list[int], n: int, headers: dict | None = None) -> dict:
+    """A greedy ``/generate`` of ``n`` tokens (EOS ignored); the JSON answer (asserts 200)."""
+    payload = {
+        "input_ids": ids,
+        "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True},
+    }
+    r = server.post("/generate", payload, headers=headers or {}, timeout=600)
+    assert r.status_code == 200, r.text
+    return r.json()

@@ -110,13 +110,20 @@ def admit(engine, scheduler, member, session, keys: list[int]) -> int:
         if res is None:
             break
         reservations.append(res)
-    agreed = member.min_int(len(reservations))
-    for res in reservations[agreed:]:
-        kv_adaptor.release(session.dp_allocator, res)
+    agreed = agree(member, session.dp_allocator, reservations)
     if agreed < len(keys):
         session.admitting = False  # the rest run in their own sessions, in order
     for bind, res in zip(binds[:agreed], reservations[:agreed], strict=True):
         engine.pending.remove(bind)
         session.grow(res)
         session.hand(scheduler, bind.req, bind.reason)
+    return agreed
+
+
+def agree(member, dp_allocator, reservations: list) -> int:
+    """How many of this member's ``reservations`` (a prefix, in order) every member of
+    the group could make (one MIN); the rest are given back. Same answer on all."""
+    agreed = member.min_int(len(reservations))
+    for res in reservations[agreed:]:
+        kv_adaptor.release(dp_allocator, res)
     return agreed

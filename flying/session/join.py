@@ -35,10 +35,10 @@ from dataclasses import dataclass, field
 import torch
 
 from flying.session import move, tp_scope
-from flying.session.admission import MAX_PER_STEP
+from flying.session.admission import MAX_PER_STEP, agree
 from flying.session.budget import kv_tokens_needed
 from flying.session.move import kv_len
-from flying.substrate import kv_adaptor, kv_relayout
+from flying.substrate import kv_relayout
 
 logger = logging.getLogger(__name__)
 
@@ -103,9 +103,7 @@ def gather(engine, scheduler, bind, member, is_leader: bool) -> Joining | None:
         if res is None:
             break
         reservations.append(res)
-    k = member.min_int(len(reservations))
-    for res in reservations[k:]:
-        kv_adaptor.release(scheduler.token_to_kv_pool_allocator, res)
+    k = agree(member, scheduler.token_to_kv_pool_allocator, reservations)
     if k == 0:
         return None
     t_agreed = time.perf_counter()

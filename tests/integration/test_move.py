@@ -15,7 +15,7 @@ import time
 import pytest
 
 from tests.conftest import demo_server
-from tests.node import engine_counter, status, wait_idle
+from tests.node import engine_counter, greedy, status, wait_idle
 from tests.reference import greedy_tokens, prompts
 
 pytestmark = pytest.mark.integration
@@ -31,16 +31,6 @@ def move_server(demo_model_dir, tmp_path_factory):
         demo_model_dir, tmp_path_factory.mktemp("move") / "server.log",
         "--flying-move-to-dp", "all",
     )
-
-
-def _greedy(server, ids, n, headers=None):
-    payload = {
-        "input_ids": ids,
-        "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True},
-    }
-    r = server.post("/generate", payload, headers=headers or {}, timeout=600)
-    assert r.status_code == 200, r.text
-    return r.json()
 
 
 def _total(doc: dict, key: str) -> int:
@@ -64,11 +54,11 @@ def test_a_running_group_request_moves_to_dp_when_dp_work_arrives(move_server, d
     long_prompt, short_prompt = prompts(2, 40, seed=73)
     result: dict = {}
     group = threading.Thread(
-        target=lambda: result.update(_greedy(move_server, long_prompt, LONG, TP2)), daemon=True
+        target=lambda: result.update(greedy(move_server, long_prompt, LONG, TP2)), daemon=True
     )
     group.start()
     _wait_group_running(move_server, before)
-    short = _greedy(move_server, short_prompt, SHORT)
+    short = greedy(move_server, short_prompt, SHORT)
     group.join(timeout=600)
     after = wait_idle(move_server)
 
@@ -110,7 +100,7 @@ def test_a_running_dp_request_joins_a_forming_group(move_server, demo_model_dir)
         assert time.monotonic() < deadline, "the DP request did not start"
         time.sleep(0.05)
     time.sleep(0.5)  # some DP decode steps
-    tp = _greedy(move_server, tp_prompt, SHORT, TP2)
+    tp = greedy(move_server, tp_prompt, SHORT, TP2)
     dp.join(timeout=600)
     after = wait_idle(move_server)
 

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from tests.node import engine_counter, status, wait_idle
+from tests.node import engine_counter, greedy, status, wait_idle
 from tests.reference import greedy_tokens, prompts
 
 pytestmark = pytest.mark.integration
@@ -25,22 +25,12 @@ BURST = 6  # DP requests
 BURST_TOKENS = 12
 
 
-def _greedy(server, ids, n, headers=None):
-    payload = {
-        "input_ids": ids,
-        "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True},
-    }
-    r = server.post("/generate", payload, headers=headers or {}, timeout=600)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
 def test_dp_burst_during_a_long_session_starts_within_two_group_steps(dp2_server, demo_model_dir):
     before = wait_idle(dp2_server)
     long_prompt, *burst = prompts(1 + BURST, 24, seed=41)
     result: dict = {}
     group = threading.Thread(
-        target=lambda: result.update(_greedy(dp2_server, long_prompt, LONG, TP2)), daemon=True
+        target=lambda: result.update(greedy(dp2_server, long_prompt, LONG, TP2)), daemon=True
     )
     group.start()
     deadline = time.monotonic() + 120
@@ -57,7 +47,7 @@ def test_dp_burst_during_a_long_session_starts_within_two_group_steps(dp2_server
     answers: list = [None] * BURST
     threads = [
         threading.Thread(
-            target=lambda i=i: answers.__setitem__(i, _greedy(dp2_server, burst[i], BURST_TOKENS)),
+            target=lambda i=i: answers.__setitem__(i, greedy(dp2_server, burst[i], BURST_TOKENS)),
             daemon=True,
         )
         for i in range(BURST)
