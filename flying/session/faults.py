@@ -9,9 +9,13 @@ Without the variable nothing is mounted, nothing is read, and ``check`` is a no-
 
 Stages, in session order:
 - ``bind``: before the member votes in the rendezvous (the bind is aborted everywhere);
+- ``join``: running DP requests are joining the forming group (``join.gather``), after
+  the members agreed on them;
 - ``scope``: inside the mode scope, before the request is handed to SGLang;
 - ``step``: between two group steps (the peers wait at the next collective);
 - ``sample``: inside the per-step token sync, i.e. mid-collective for the peers;
+- ``move``: the session's requests are moving to DP (``move.to_dp``), after the members
+  agreed on the move;
 - ``release``: after the last step, before the scope is left.
 """
 
@@ -22,7 +26,7 @@ import os
 
 ENV = "FLYING_TEST_FAULTS"
 KEY = "flying/test/fault"
-STAGES = ("bind", "scope", "step", "sample", "release")
+STAGES = ("bind", "join", "scope", "step", "sample", "move", "release")
 
 
 class InjectedFault(RuntimeError):

@@ -38,7 +38,7 @@ from flying.session import move, tp_scope
 from flying.session.admission import MAX_PER_STEP, agree
 from flying.session.budget import kv_tokens_needed
 from flying.session.move import kv_len
-from flying.substrate import kv_relayout
+from flying.substrate import kv_adaptor, kv_relayout
 
 logger = logging.getLogger(__name__)
 
@@ -53,9 +53,13 @@ class Joining:
 
     reqs: list  # the leader's own Reqs, or their copies on the other members
     lens: list[int]  # tokens of KV per request
-    shard: torch.Tensor  # this member's heads: [layers, 2, sum(lens), H_kv/m, d]
+    shard: torch.Tensor | None  # this member's heads: [layers, 2, sum(lens), H_kv/m, d]
     reservations: list = field(default_factory=list)
-    t_agreed: float = 0.0  # perf_counter when the members agreed on the joining requests
+    t_agreed: float = 0.0
+    #: the leader's copy of every head (``[layers, 2, sum(lens), H_kv, d]``): what a
+    #: failed join puts back into DP; None on the other members
+    full: torch.Tensor | None = None
+    grown: bool = False  # the reservations belong to the session's scope  # perf_counter when the members agreed on the joining requests
 
 
 def eligible(req, seq_len: int) -> bool:
@@ -73,7 +77,7 @@ def eligible(req, seq_len: int) -> bool:
     )
 
 
-def gather(engine, scheduler, bind, member, is_leader: bool) -> Joining | None:
+def gather(engine, scheduler, bind, member, is_leader: bool, faults=None) -> Joining | None:
     """Every member of a forming session, DP state, after the rendezvous: agree on the
     leader's DP requests that join and carry their KV over. None if none join."""
     if not move.allowed(engine.move_to_dp, {bind.reason}):
@@ -109,15 +113,21 @@ def gather(engine, scheduler, bind, member, is_leader: bool) -> Joining | None:
     t_agreed = time.perf_counter()
     lens = lens[:k]
     block, payload = (_take_out(scheduler, picked[:k]) if is_leader else (None, b""))
+    joining = Joining(picked[:k], lens, None, reservations[:k], t_agreed, block)
     try:
+        if faults is not None:
+            faults.check("join")
         payload = _broadcast_bytes(member, payload)
-        shard = _scatter(member, block, scheduler, sum(lens), degree)
-        reqs = picked[:k] if is_leader else _copies(scheduler, payload)
-    except BaseException as exc:
-        if is_leader:  # they left the DP batch: answer them, or their clients wait forever
-            abort(scheduler, picked[:k], f"moving into a TP-{degree} group failed: {exc}")
+        joining.shard = _scatter(member, block, scheduler, sum(lens), degree)
+        if not is_leader:
+            joining.reqs = _copies(scheduler, payload)
+    except BaseException:
+        for res in joining.reservations:
+            kv_adaptor.release(scheduler.token_to_kv_pool_allocator, res)
+        if is_leader:  # they left the DP batch: they go on there
+            restore(scheduler, joining)
         raise
-    return Joining(reqs, lens, shard, reservations[:k], t_agreed)
+    return joining
 
 
 def abort(scheduler, reqs: list, message: str) -> None:
@@ -138,23 +148,59 @@ def abort(scheduler, reqs: list, message: str) -> None:
 def land(scheduler, scope, joining: Joining) -> None:
     """Session TP state: the joining requests get rows and TP slots holding this
     member's shard, and join the session's running batch as decode requests."""
+    for res in joining.reservations:
+        scope.grow(res)
+    joining.grown = True
+    slots = scheduler.token_to_kv_pool_allocator.alloc(sum(joining.lens))  # the session's
+    if slots is None:
+        raise RuntimeError("flying: no TP slots for the requests joining the group")
+    _place(scheduler, scope.prepared.tp_pool, joining.reqs, joining.lens, joining.shard, slots)
+
+
+def recover(scheduler, joining: Joining, is_leader: bool) -> None:
+    """After a session that was taking ``joining`` failed before the requests reached
+    its batch (DP state again): give back reservations the scope does not own, and on
+    the leader let the requests go on in DP."""
+    if not joining.grown:
+        for res in joining.reservations:
+            kv_adaptor.release(scheduler.token_to_kv_pool_allocator, res)
+    if is_leader:
+        restore(scheduler, joining)
+
+
+def restore(scheduler, joining: Joining) -> None:
+    """Leader, DP state: requests taken out of DP for a join that failed go on in DP
+    (their KV rewritten from the copy the leader kept); an explicit error if even that
+    fails. Returns nothing: either way every request is answered."""
+    reqs = joining.reqs
+    try:
+        for req in reqs:
+            if req.kv.holds_kv:
+                scheduler.req_to_token_pool.free(req)
+        slots = tp_scope.take_dp_slots(scheduler, sum(joining.lens))
+        pool = scheduler.tp_worker.model_runner.token_to_kv_pool
+        _place(scheduler, pool, reqs, joining.lens, joining.full, slots)
+        logger.warning("flying: a join failed; %d request(s) went on in DP", len(reqs))
+    except Exception as exc:  # noqa: BLE001 - the last resort is an explicit answer
+        logger.exception("flying: requests of a failed join could not go back to DP")
+        abort(scheduler, reqs, f"moving into a TP group failed: {exc}")
+
+
+def _place(scheduler, pool, reqs: list, lens: list[int], block: torch.Tensor, slots) -> None:
+    """Give decoding requests rows pointing at ``slots`` (``block`` written there, in
+    ``pool``: a DP pool or a TP view) and merge them into the running batch of the
+    scheduler's current state as a decode batch whose next input is each request's last
+    token. ``block``: [layers, 2, sum(lens), heads of ``pool``, d]."""
     from sglang.srt.managers.overlap_utils import RelayPayload
     from sglang.srt.managers.schedule_batch import ScheduleBatch
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
     from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 
-    for res in joining.reservations:
-        scope.grow(res)
-    reqs, lens = joining.reqs, joining.lens
     if scheduler.req_to_token_pool.alloc(reqs) is None:
-        raise RuntimeError("flying: no request rows for the requests joining the group")
-    allocator = scheduler.token_to_kv_pool_allocator  # the session's
-    slots = allocator.alloc(sum(lens))
-    if slots is None:
-        raise RuntimeError("flying: no TP slots for the requests joining the group")
-    kv_relayout.write_block(scope.prepared.tp_pool, slots, joining.shard)
+        raise RuntimeError("flying: no request rows for the requests changing layout")
+    kv_relayout.write_block(pool, slots, block)
     table = scheduler.req_to_token_pool.req_to_token
-    cache = scheduler.tree_cache  # the session's (disabled) prefix cache
+    cache = scheduler.tree_cache
     start = 0
     for req, n in zip(reqs, lens, strict=True):
         table[req.kv.req_pool_idx, :n] = slots[start : start + n].to(table.dtype)
@@ -164,8 +210,8 @@ def land(scheduler, scope, joining: Joining) -> None:
         req.last_node = cache.root_node_handle(req.extra_key)
         req.lock = cache.lock(req.last_node)
     batch = ScheduleBatch.init_new(
-        reqs, scheduler.req_to_token_pool, allocator, cache, scheduler.model_config,
-        False, scheduler.spec_algorithm,
+        reqs, scheduler.req_to_token_pool, scheduler.token_to_kv_pool_allocator, cache,
+        scheduler.model_config, False, scheduler.spec_algorithm,
     )
     rows = [r.kv.req_pool_idx for r in reqs]
     device = batch.device

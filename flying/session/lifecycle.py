@@ -75,7 +75,7 @@ class Lifecycle:
         scope.tokenized[bind.req.rid] = bind.req  # containment re-runs it if all fails
         joining, landed = None, False
         try:
-            joining = join.gather(self, scheduler, bind, member, is_leader)
+            joining = join.gather(self, scheduler, bind, member, is_leader, self.faults)
             self.counters.preempted_dp_requests += len(scheduler.running_batch.reqs)
             scope.enter()
             s.to(State.RUNNING)
@@ -87,10 +87,10 @@ class Lifecycle:
                 landed = True
                 self._joined(s, joining, (time.perf_counter() - joining.t_agreed) * 1e3)
         except Exception as exc:  # noqa: BLE001 - containment: this session only
-            if joining is not None and not landed and is_leader:
-                join.abort(scheduler, joining.reqs, f"joining a TP-{bind.degree} group failed: {exc}")
             self._failed(s, exc)
             self._contain(scheduler, s, exc)
+            if joining is not None and not landed:
+                join.recover(scheduler, joining, is_leader)
             return None
         logger.info(
             "flying: engine %d -> TP-%d group %s (bind %s)",
@@ -132,7 +132,7 @@ class Lifecycle:
         # them to the leader now (every member decides alike: shared values, lockstep).
         wants_move = bool(shared.dp_waiting) and self._may_move(s)
         if wants_move and move.ready(scheduler):
-            moved = move.to_dp(scheduler, s)
+            moved = move.to_dp(scheduler, s, self.faults)
             if moved is not None:
                 self._moved(scheduler, s, moved)
                 return None

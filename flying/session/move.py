@@ -79,7 +79,7 @@ class Moved:
     ms: float  # from the members' agreement to the requests landing in DP
 
 
-def to_dp(scheduler, s) -> Moved | None:
+def to_dp(scheduler, s, faults=None) -> Moved | None:
     """Move the session's running requests into DP on the leader (every member calls
     this at the same boundary, in the session's TP state). Returns None, back in the TP
     state with nothing changed, if the leader lacks room; otherwise the session's scope
@@ -108,6 +108,8 @@ def to_dp(scheduler, s) -> Moved | None:
             scheduler.running_batch, scheduler.last_batch = batch, last
             return None
         t0 = time.perf_counter()  # agreed: from here on it is the relayout's own cost
+        if faults is not None:
+            faults.check("move")
         shards = kv_relayout.exchange(s.member, kv_relayout.read_block(scope.prepared.tp_pool, tp_slots))
     except BaseException:
         if not scope.entered:

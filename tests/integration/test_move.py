@@ -1,10 +1,16 @@
 """Running requests move between layouts with their KV (``--flying-move-to-dp all``).
 
-A long TP-2 request runs in a group; a DP request arrives. At the next group step the
-session ends: the group's request moves into DP on the leader with its KV gathered from
-the other member (no recompute), and the DP request runs beside it. Both produce
-exactly transformers' greedy tokens, every prompt is prefilled once (the engines'
-prefill counters), and KV slots and request rows return to their initial counts.
+- TP -> DP: a long TP-2 request runs in a group; a DP request arrives. At the next group
+  step the session ends: the group's request moves into DP on the leader with its KV
+  gathered from the other member (no recompute), and the DP request runs beside it.
+- DP -> TP: a long DP request runs on engine 0; a TP-2 request binds the group [0, 1]
+  and the running request joins it with its KV scattered into both members' shards.
+
+Both requests produce exactly transformers' greedy tokens, every prompt is prefilled
+once (the engines' prefill counters), and KV slots and request rows return to their
+initial counts. A fault injected while requests move (either member) ends that session
+only: a request taken out of DP for a join goes on in DP, a group request that sent
+nothing yet is re-run in DP, and the node keeps serving.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from tests.reference import greedy_tokens, prompts
 pytestmark = pytest.mark.integration
 
 TP2 = {"X-Flying-TP": "2"}
-LONG = 600  # tokens the group's request generates: it is still running when DP work arrives
+LONG = 600  # tokens the long request generates: it is still running when the other arrives
 SHORT = 16
 
 
@@ -29,7 +35,7 @@ SHORT = 16
 def move_server(demo_model_dir, tmp_path_factory):
     yield from demo_server(
         demo_model_dir, tmp_path_factory.mktemp("move") / "server.log",
-        "--flying-move-to-dp", "all",
+        "--flying-move-to-dp", "all", env={"FLYING_TEST_FAULTS": "1"},
     )
 
 
@@ -37,78 +43,128 @@ def _total(doc: dict, key: str) -> int:
     return sum(engine_counter(doc, key))
 
 
-def _wait_group_running(server, before: dict, steps: int = 20) -> None:
-    deadline = time.monotonic() + 120
-    while True:
-        doc = status(server)
-        if all(m == "tp2" for m in engine_counter(doc, "mode")) and (
-            doc["totals"]["tp_steps"] > before["totals"]["tp_steps"] + steps
-        ):
-            return
-        assert time.monotonic() < deadline, "the TP-2 session did not start"
+def _delta(after: dict, before: dict, key: str) -> int:
+    return _total(after, key) - _total(before, key)
+
+
+def _until(cond, what: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, what
         time.sleep(0.05)
 
 
-def test_a_running_group_request_moves_to_dp_when_dp_work_arrives(move_server, demo_model_dir):
-    before = wait_idle(move_server)
-    long_prompt, short_prompt = prompts(2, 40, seed=73)
+def _tp_then_dp(server, seed: int) -> tuple[dict, dict, dict, list, list]:
+    """A long TP-2 request, then (once its group runs) a short DP request; returns
+    (status before, long answer, short answer, long prompt, short prompt)."""
+    before = wait_idle(server)
+    long_prompt, short_prompt = prompts(2, 40, seed=seed)
     result: dict = {}
     group = threading.Thread(
-        target=lambda: result.update(greedy(move_server, long_prompt, LONG, TP2)), daemon=True
+        target=lambda: result.update(greedy(server, long_prompt, LONG, TP2)), daemon=True
     )
     group.start()
-    _wait_group_running(move_server, before)
-    short = greedy(move_server, short_prompt, SHORT)
+
+    def group_runs() -> bool:
+        doc = status(server)
+        return all(m == "tp2" for m in engine_counter(doc, "mode")) and (
+            doc["totals"]["tp_steps"] > before["totals"]["tp_steps"] + 20
+        )
+
+    _until(group_runs, "the TP-2 session did not start")
+    short = greedy(server, short_prompt, SHORT)
     group.join(timeout=600)
-    after = wait_idle(move_server)
-
-    assert short["meta_info"]["flying"]["mode"] == "dp"
-    assert short["output_ids"] == greedy_tokens(demo_model_dir, short_prompt, SHORT)
-    flying = result["meta_info"]["flying"]
-    assert flying["mode"] == "tp" and "moved" in flying, flying
-    assert result["output_ids"] == greedy_tokens(demo_model_dir, long_prompt, LONG)
-    assert _total(after, "moved_to_dp") - _total(before, "moved_to_dp") == 1
-    moved_tokens = _total(after, "moved_tokens") - _total(before, "moved_tokens")
-    assert len(long_prompt) < moved_tokens < len(long_prompt) + LONG, moved_tokens
-    # Nothing prefilled twice: the two prompts, once each (distinct prompts: no cache hit).
-    prefilled = _total(after, "prefill_tokens") - _total(before, "prefill_tokens")
-    assert prefilled == len(long_prompt) + len(short_prompt), prefilled
-    # The session ended at the move, long before its request finished.
-    assert after["totals"]["tp_steps"] - before["totals"]["tp_steps"] < 2 * LONG
-    for key in ("free_kv_slots", "free_req_rows"):
-        assert engine_counter(after, key) == engine_counter(before, key)
+    return before, result, short, long_prompt, short_prompt
 
 
-def test_a_running_dp_request_joins_a_forming_group(move_server, demo_model_dir):
-    before = wait_idle(move_server)
-    dp_prompt, tp_prompt = prompts(2, 36, seed=79)
+def _dp_then_tp(server, seed: int) -> tuple[dict, dict, dict, list, list]:
+    """A long DP request on engine 0, then (once it decodes) a short TP-2 request;
+    returns (status before, long answer, short answer, long prompt, short prompt)."""
+    before = wait_idle(server)
+    long_prompt, short_prompt = prompts(2, 36, seed=seed)
     result: dict = {}
 
     def run_dp():  # pinned to engine 0, the TP-2 group's leader
         payload = {
-            "input_ids": dp_prompt, "routed_dp_rank": 0,
+            "input_ids": long_prompt, "routed_dp_rank": 0,
             "sampling_params": {"max_new_tokens": LONG, "temperature": 0, "ignore_eos": True},
         }
-        r = move_server.post("/generate", payload, timeout=600)
-        assert r.status_code == 200, r.text
-        result.update(r.json())
+        r = server.post("/generate", payload, timeout=600)
+        result.update(r.json(), status_code=r.status_code)
 
     dp = threading.Thread(target=run_dp, daemon=True)
     dp.start()
-    deadline = time.monotonic() + 120
-    while _total(status(move_server), "prefill_tokens") - _total(before, "prefill_tokens") < len(dp_prompt):
-        assert time.monotonic() < deadline, "the DP request did not start"
-        time.sleep(0.05)
+    _until(lambda: _delta(status(server), before, "prefill_tokens") >= len(long_prompt),
+           "the DP request did not start")
     time.sleep(0.5)  # some DP decode steps
-    tp = greedy(move_server, tp_prompt, SHORT, TP2)
+    short = greedy(server, short_prompt, SHORT, TP2)
     dp.join(timeout=600)
-    after = wait_idle(move_server)
+    assert result.pop("status_code") == 200, result
+    return before, result, short, long_prompt, short_prompt
 
-    assert tp["meta_info"]["flying"]["mode"] == "tp"
-    assert tp["output_ids"] == greedy_tokens(demo_model_dir, tp_prompt, SHORT)
-    assert result["output_ids"] == greedy_tokens(demo_model_dir, dp_prompt, LONG)
-    assert _total(after, "moved_to_tp") - _total(before, "moved_to_tp") == 1
-    prefilled = _total(after, "prefill_tokens") - _total(before, "prefill_tokens")
-    assert prefilled == len(dp_prompt) + len(tp_prompt), prefilled
+
+def _settled(server, before: dict) -> dict:
+    after = wait_idle(server)
     for key in ("free_kv_slots", "free_req_rows"):
         assert engine_counter(after, key) == engine_counter(before, key)
+    return after
+
+
+def test_a_running_group_request_moves_to_dp_when_dp_work_arrives(move_server, demo_model_dir):
+    before, long, short, long_prompt, short_prompt = _tp_then_dp(move_server, seed=73)
+    after = _settled(move_server, before)
+    assert short["meta_info"]["flying"]["mode"] == "dp"
+    assert short["output_ids"] == greedy_tokens(demo_model_dir, short_prompt, SHORT)
+    flying = long["meta_info"]["flying"]
+    assert flying["mode"] == "tp" and "moved" in flying, flying
+    assert long["output_ids"] == greedy_tokens(demo_model_dir, long_prompt, LONG)
+    assert _delta(after, before, "moved_to_dp") == 1
+    moved_tokens = _delta(after, before, "moved_tokens")
+    assert len(long_prompt) < moved_tokens < len(long_prompt) + LONG, moved_tokens
+    # Nothing prefilled twice: the two prompts, once each (distinct prompts: no cache hit).
+    assert _delta(after, before, "prefill_tokens") == len(long_prompt) + len(short_prompt)
+    # The session ended at the move, long before its request finished.
+    assert after["totals"]["tp_steps"] - before["totals"]["tp_steps"] < 2 * LONG
+
+
+def test_a_running_dp_request_joins_a_forming_group(move_server, demo_model_dir):
+    before, long, short, long_prompt, short_prompt = _dp_then_tp(move_server, seed=79)
+    after = _settled(move_server, before)
+    assert short["meta_info"]["flying"]["mode"] == "tp"
+    assert short["output_ids"] == greedy_tokens(demo_model_dir, short_prompt, SHORT)
+    assert long["output_ids"] == greedy_tokens(demo_model_dir, long_prompt, LONG)
+    assert _delta(after, before, "moved_to_tp") == 1
+    assert _delta(after, before, "prefill_tokens") == len(long_prompt) + len(short_prompt)
+
+
+def _arm(server, stage: str, rank: int) -> None:
+    r = server.post("/flying/test/fault", {"stage": stage, "rank": rank})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_fault_while_moving_to_dp_ends_that_session_only(move_server, demo_model_dir, rank):
+    _arm(move_server, "move", rank)
+    before, long, short, long_prompt, short_prompt = _tp_then_dp(move_server, seed=83 + rank)
+    after = _settled(move_server, before)
+    assert _delta(after, before, "faulted_sessions") >= 1
+    assert _delta(after, before, "moved_to_dp") == 0
+    # Nothing of the group's request was sent yet: the leader re-ran it in DP.
+    assert long["output_ids"] == greedy_tokens(demo_model_dir, long_prompt, LONG)
+    assert short["output_ids"] == greedy_tokens(demo_model_dir, short_prompt, SHORT)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_fault_while_joining_leaves_the_request_in_dp(move_server, demo_model_dir, rank):
+    _arm(move_server, "join", rank)
+    before, long, short, long_prompt, short_prompt = _dp_then_tp(move_server, seed=89 + rank)
+    after = _settled(move_server, before)
+    assert _delta(after, before, "faulted_sessions") >= 1
+    assert _delta(after, before, "moved_to_tp") == 0
+    assert long["output_ids"] == greedy_tokens(demo_model_dir, long_prompt, LONG)
+    assert short["output_ids"] == greedy_tokens(demo_model_dir, short_prompt, SHORT)
+    # The node still moves requests after the fault.
+    before, long, short, long_prompt, short_prompt = _dp_then_tp(move_server, seed=97 + rank)
+    after = _settled(move_server, before)
+    assert _delta(after, before, "moved_to_tp") == 1
+    assert long["output_ids"] == greedy_tokens(demo_model_dir, long_prompt, LONG)
