@@ -37,7 +37,7 @@ import torch
 from flying.session import move, tp_scope
 from flying.session.admission import MAX_PER_STEP, agree
 from flying.session.budget import kv_tokens_needed
-from flying.session.move import kv_len
+from flying.session.move import kv_len, rehome
 from flying.substrate import kv_adaptor, kv_relayout
 
 logger = logging.getLogger(__name__)
@@ -199,18 +199,9 @@ def _place(scheduler, pool, reqs: list, lens: list[int], block: torch.Tensor, sl
     if scheduler.req_to_token_pool.alloc(reqs) is None:
         raise RuntimeError("flying: no request rows for the requests changing layout")
     kv_relayout.write_block(pool, slots, block)
-    table = scheduler.req_to_token_pool.req_to_token
-    cache = scheduler.tree_cache
-    start = 0
-    for req, n in zip(reqs, lens, strict=True):
-        table[req.kv.req_pool_idx, :n] = slots[start : start + n].to(table.dtype)
-        start += n
-        req.kv.kv_allocated_len = req.kv.kv_committed_len = n
-        req.kv.cache_protected_len = req.kv.cache_inserted_len = 0
-        req.last_node = cache.root_node_handle(req.extra_key)
-        req.lock = cache.lock(req.last_node)
+    rehome(scheduler, reqs, lens, slots)
     batch = ScheduleBatch.init_new(
-        reqs, scheduler.req_to_token_pool, scheduler.token_to_kv_pool_allocator, cache,
+        reqs, scheduler.req_to_token_pool, scheduler.token_to_kv_pool_allocator, scheduler.tree_cache,
         scheduler.model_config, False, scheduler.spec_algorithm,
     )
     rows = [r.kv.req_pool_idx for r in reqs]

@@ -142,24 +142,30 @@ def _land(scheduler, scope, batch, reqs, lens, block: torch.Tensor) -> None:
     scope.release_all()  # their TP sub-slots are read: the reserved rows are free again
     slots = tp_scope.take_dp_slots(scheduler, block.shape[2])
     kv_relayout.write_block(scope.dp_pool, slots, block)
-    table = scheduler.req_to_token_pool.req_to_token
-    cache = scheduler.tree_cache
-    start = 0
-    for req, n in zip(reqs, lens, strict=True):
-        table[req.kv.req_pool_idx, :n] = slots[start : start + n].to(table.dtype)
-        start += n
-        # The session's prefix cache is disabled: the request owns all its KV and
-        # holds no tree lock there. In DP it starts at the tree's root, like a request
-        # whose prompt matched nothing.
-        req.kv.cache_protected_len = 0
-        req.kv.cache_inserted_len = 0
-        req.last_node = cache.root_node_handle(req.extra_key)
-        req.lock = cache.lock(req.last_node)
+    rehome(scheduler, reqs, lens, slots)
     batch.token_to_kv_pool_allocator = scheduler.token_to_kv_pool_allocator
-    batch.tree_cache = cache
+    batch.tree_cache = scheduler.tree_cache
     batch.batch_is_full = False
     if scheduler.running_batch.is_empty():
         scheduler.running_batch = batch
     else:
         scheduler.running_batch.merge_batch(batch)
         scheduler.running_batch.batch_is_full = False
+
+
+def rehome(scheduler, reqs: list, lens: list[int], slots: torch.Tensor) -> None:
+    """Point the requests' rows at ``slots`` (their tokens in order, ``lens`` each) and
+    give them to the prefix cache of the scheduler's current state. The cache they came
+    from (a session's, which is disabled, or the DP one they were released from) holds
+    nothing of theirs: they own all their KV and start at the tree's root, like a
+    request whose prompt matched nothing."""
+    table = scheduler.req_to_token_pool.req_to_token
+    cache = scheduler.tree_cache
+    start = 0
+    for req, n in zip(reqs, lens, strict=True):
+        table[req.kv.req_pool_idx, :n] = slots[start : start + n].to(table.dtype)
+        start += n
+        req.kv.kv_allocated_len = req.kv.kv_committed_len = n
+        req.kv.cache_protected_len = req.kv.cache_inserted_len = 0
+        req.last_node = cache.root_node_handle(req.extra_key)
+        req.lock = cache.lock(req.last_node)
