@@ -36,7 +36,7 @@ import torch
 
 from flying.session import move, tp_scope
 from flying.session.admission import MAX_PER_STEP, agree
-from flying.session.budget import kv_tokens_needed
+from flying.session.budget import kv_tokens_needed, resolved_max_new_tokens
 from flying.session.move import kv_len, rehome
 from flying.substrate import kv_adaptor, kv_relayout
 
@@ -55,11 +55,11 @@ class Joining:
     lens: list[int]  # tokens of KV per request
     shard: torch.Tensor | None  # this member's heads: [layers, 2, sum(lens), H_kv/m, d]
     reservations: list = field(default_factory=list)
-    t_agreed: float = 0.0
+    t_agreed: float = 0.0  # perf_counter when the members agreed on the joining requests
     #: the leader's copy of every head (``[layers, 2, sum(lens), H_kv, d]``): what a
     #: failed join puts back into DP; None on the other members
     full: torch.Tensor | None = None
-    grown: bool = False  # the reservations belong to the session's scope  # perf_counter when the members agreed on the joining requests
+    grown: bool = False  # the reservations belong to the session's scope
 
 
 def eligible(req, seq_len: int) -> bool:
@@ -77,6 +77,25 @@ def eligible(req, seq_len: int) -> bool:
     )
 
 
+def _budget(req, dp_limit: int) -> int | None:
+    """KV tokens a running DP request needs in a group (what it holds plus what it may
+    still produce), or None if it cannot join. A request without max_new_tokens gets
+    the bound SGLang gives it in DP, explicitly (a group's own limits differ)."""
+    try:
+        n = kv_len(req)
+        if not eligible(req, n):
+            return None
+        params = req.sampling_params
+        params.max_new_tokens = resolved_max_new_tokens(
+            len(req.origin_input_ids), params.max_new_tokens, dp_limit
+        )
+        left = params.max_new_tokens - len(req.output_ids)
+        return kv_tokens_needed(n, max(left, 1), dp_limit)
+    except Exception:  # noqa: BLE001 - an odd request stays in DP; the collective must run
+        logger.exception("flying: request %s cannot join a group", getattr(req, "rid", "?"))
+        return None
+
+
 def gather(engine, scheduler, bind, member, is_leader: bool, faults=None) -> Joining | None:
     """Every member of a forming session, DP state, after the rendezvous: agree on the
     leader's DP requests that join and carry their KV over. None if none join."""
@@ -88,12 +107,11 @@ def gather(engine, scheduler, bind, member, is_leader: bool, faults=None) -> Joi
     picked: list = []
     if is_leader:
         for req in scheduler.running_batch.reqs:
-            n = kv_len(req)
-            if len(picked) < MAX_JOIN and eligible(req, n):
+            budget = _budget(req, engine.dp_limit) if len(picked) < MAX_JOIN else None
+            if budget is not None:
                 picked.append(req)
-                lens.append(n)
-                left = req.sampling_params.max_new_tokens - len(req.output_ids)
-                budgets.append(kv_tokens_needed(int(n), max(left, 1), engine.dp_limit))
+                lens.append(kv_len(req))
+                budgets.append(budget)
     values = [len(picked), *_padded(lens), *_padded(budgets)]
     busy_peer = int(not is_leader and engine_has_dp_work(scheduler))
     shared, busy_peers = member.share_ints(values, _WIDTH, own=busy_peer)
