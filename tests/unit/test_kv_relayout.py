@@ -75,3 +75,31 @@ def test_which_sessions_move():
     assert not allowed("policy", set())
     assert allowed("all", {"explicit", "long"})
     assert not allowed("off", {"policy"})
+
+
+def _req(prompt: int, out: int, max_new, **extra):
+    """A stand-in with the fields of SGLang's Req that a join reads."""
+    fields = dict(
+        rid="r", origin_input_ids=[1] * prompt, output_ids=[2] * out,
+        sampling_params=SimpleNamespace(max_new_tokens=max_new),
+        kv=SimpleNamespace(kv_allocated_len=prompt + out - 1), grammar=None,
+        finished=lambda: False,
+    )
+    fields.update(extra)
+    return SimpleNamespace(**fields)
+
+
+def test_a_join_budgets_what_the_request_holds_and_may_still_produce():
+    from flying.session.budget import kv_tokens_needed
+    from flying.session.join import _budget
+
+    assert _budget(_req(10, 5, 20), 1000) == kv_tokens_needed(14, 15, 1000)
+    # No max_new_tokens: SGLang's DP bound (limit - prompt - 1), made explicit.
+    req = _req(10, 5, None)
+    assert _budget(req, 1000) == kv_tokens_needed(14, 989 - 5, 1000)
+    assert req.sampling_params.max_new_tokens == 989
+    # Not joinable: constrained decoding, finished, or KV not matching its tokens.
+    assert _budget(_req(10, 5, 20, grammar=object()), 1000) is None
+    assert _budget(_req(10, 5, 20, finished=lambda: True), 1000) is None
+    assert _budget(_req(10, 5, 20, kv=SimpleNamespace(kv_allocated_len=3)), 1000) is None
+    assert _budget(_req(10, 5, 20, sampling_params=None), 1000) is None  # odd: stays in DP
