@@ -37,7 +37,7 @@ import torch
 from flying.session import move, tp_scope
 from flying.session.admission import MAX_PER_STEP, agree
 from flying.session.budget import kv_tokens_needed, resolved_max_new_tokens
-from flying.session.move import kv_len, rehome
+from flying.session.move import kv_len, merge_into_running, rehome
 from flying.substrate import kv_adaptor, kv_relayout
 
 logger = logging.getLogger(__name__)
@@ -232,16 +232,15 @@ def _place(scheduler, pool, reqs: list, lens: list[int], block: torch.Tensor, sl
     batch.orig_seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
     batch.seq_lens_sum = sum(lens)
     batch.input_ids = None
+    # Per-request lists SGLang's filter/merge keep aligned with ``reqs``.
+    batch.multimodal_inputs = [r.multimodal_inputs for r in reqs]
     if batch.return_logprob:
         batch.top_logprobs_nums = [r.logprob.top_logprobs_num for r in reqs]
         batch.token_ids_logprobs = [r.logprob.token_ids_logprob for r in reqs]
     batch.sampling_info = SamplingBatchInfo.from_schedule_batch(batch, scheduler.model_config.vocab_size)
     last = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64, device=device)
     scheduler.future_map.stash(batch.req_pool_indices, RelayPayload(bonus_tokens=last))
-    if scheduler.running_batch.is_empty():
-        scheduler.running_batch = batch
-    else:
-        scheduler.running_batch.merge_batch(batch)
+    merge_into_running(scheduler, batch)
 
 
 def engine_has_dp_work(scheduler) -> bool:

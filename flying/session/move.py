@@ -146,11 +146,7 @@ def _land(scheduler, scope, batch, reqs, lens, block: torch.Tensor) -> None:
     batch.token_to_kv_pool_allocator = scheduler.token_to_kv_pool_allocator
     batch.tree_cache = scheduler.tree_cache
     batch.batch_is_full = False
-    if scheduler.running_batch.is_empty():
-        scheduler.running_batch = batch
-    else:
-        scheduler.running_batch.merge_batch(batch)
-        scheduler.running_batch.batch_is_full = False
+    merge_into_running(scheduler, batch)
 
 
 def rehome(scheduler, reqs: list, lens: list[int], slots: torch.Tensor) -> None:
@@ -169,3 +165,22 @@ def rehome(scheduler, reqs: list, lens: list[int], slots: torch.Tensor) -> None:
         req.kv.cache_protected_len = req.kv.cache_inserted_len = 0
         req.last_node = cache.root_node_handle(req.extra_key)
         req.lock = cache.lock(req.last_node)
+
+
+def merge_into_running(scheduler, batch) -> None:
+    """Add a decode batch of moved requests to the running batch of the scheduler's
+    current state (SGLang's ``merge_batch``, the way a prefill batch joins it).
+
+    ``merge_batch`` concatenates per-request lists and is not atomic: a list that is a
+    list on one side and None on the other fails half way, leaving a running batch
+    whose lists no longer match its requests (the engine then dies in its next
+    ``filter_batch``). So the two sides are made alike first."""
+    running = scheduler.running_batch
+    if running.is_empty():
+        scheduler.running_batch = batch
+        return
+    for side, other in ((running, batch), (batch, running)):
+        if side.multimodal_inputs is None and other.multimodal_inputs is not None:
+            side.multimodal_inputs = [None] * len(side.reqs)
+    running.merge_batch(batch)
+    running.batch_is_full = False

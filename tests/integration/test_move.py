@@ -137,6 +137,59 @@ def test_a_running_dp_request_joins_a_forming_group(move_server, demo_model_dir)
     assert _delta(after, before, "prefill_tokens") == len(long_prompt) + len(short_prompt)
 
 
+def test_a_request_that_joined_a_group_moves_back_to_dp(move_server, demo_model_dir):
+    """DP -> TP -> DP: the joined request's batch (built by Flying, not by a prefill)
+    merges back into the leader's DP running batch, which still holds a request that
+    could not join (constrained decoding), with every request's tokens intact."""
+    before = wait_idle(move_server)
+    long_prompt, tp_prompt, dp_prompt = prompts(3, 30, seed=101)
+    result: dict = {}
+    constrained: dict = {}
+
+    def run_constrained():  # stays in DP on engine 0 throughout
+        payload = {
+            "text": "pick:", "routed_dp_rank": 0,
+            "sampling_params": {"max_new_tokens": 200, "temperature": 0, "regex": "[a-z]{400}"},
+        }
+        r = move_server.post("/generate", payload, timeout=600)
+        constrained.update(r.json(), status_code=r.status_code)
+
+    held = threading.Thread(target=run_constrained, daemon=True)
+    held.start()
+
+    def run_long():  # pinned to engine 0, the TP-2 group's leader
+        payload = {
+            "input_ids": long_prompt, "routed_dp_rank": 0,
+            "sampling_params": {"max_new_tokens": LONG, "temperature": 0, "ignore_eos": True},
+        }
+        result.update(move_server.post("/generate", payload, timeout=600).json())
+
+    long = threading.Thread(target=run_long, daemon=True)
+    long.start()
+    _until(lambda: _delta(status(move_server), before, "prefill_tokens") >= len(long_prompt),
+           "the DP request did not start")
+    time.sleep(0.5)
+    tp = greedy(move_server, tp_prompt, SHORT, TP2)  # binds [0, 1]: the long request joins
+    _until(lambda: _delta(status(move_server), before, "moved_to_tp") == 1, "no join")
+    payload = {  # DP work on engine 1: the group hands its requests back to engine 0
+        "input_ids": dp_prompt, "routed_dp_rank": 1,
+        "sampling_params": {"max_new_tokens": SHORT, "temperature": 0, "ignore_eos": True},
+    }
+    dp = move_server.post("/generate", payload, timeout=600).json()
+    long.join(timeout=600)
+    held.join(timeout=600)
+    after = _settled(move_server, before)
+    assert constrained["status_code"] == 200, constrained
+    assert len(constrained["text"]) > 0 and constrained["text"].isalpha(), constrained["text"]
+    assert _delta(after, before, "moved_to_dp") >= 1
+    assert result["output_ids"] == greedy_tokens(demo_model_dir, long_prompt, LONG)
+    assert tp["output_ids"] == greedy_tokens(demo_model_dir, tp_prompt, SHORT)
+    assert dp["output_ids"] == greedy_tokens(demo_model_dir, dp_prompt, SHORT)
+    prompts_len = len(long_prompt) + len(tp_prompt) + len(dp_prompt)
+    prompts_len += constrained["meta_info"]["prompt_tokens"]
+    assert _delta(after, before, "prefill_tokens") == prompts_len
+
+
 def _arm(server, stage: str, rank: int) -> None:
     r = server.post("/flying/test/fault", {"stage": stage, "rank": rank})
     assert r.status_code == 200, r.text
