@@ -22,8 +22,12 @@ class EngineCounters:
     #: DP steps an engine ran between the TP steps of its sessions
     dp_steps_in_session: int = 0
     #: the most TP steps a member ran in a row while it had DP work waiting (the
-    #: longest a DP request waits for a group, in group steps; 1 by construction)
+    #: longest a DP request waits for a group, in group steps; 1 by construction
+    #: unless its DP step was held for KV, below)
     max_dp_wait_steps: int = 0
+    #: DP steps held because the DP batch's next decode needed KV slots a session had
+    #: reserved (SGLang would otherwise retract or abort a DP request for the group)
+    dp_held_for_kv: int = 0
     #: switch latency (bind taken at a step boundary -> group ready) histogram, counts
     #: per ``metrics.SWITCH_BUCKETS_MS`` bucket (+Inf last), and the sum in ms
     switch_hist: list[int] = field(default_factory=lambda: [0] * (len(SWITCH_BUCKETS_MS) + 1))

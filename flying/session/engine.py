@@ -170,21 +170,36 @@ class FlyingEngine(Lifecycle, Drain):
             s = self._bind(scheduler, self.pending.popleft())
         if s is not None:
             s.dp_work = _has_dp_work(scheduler)
+            s.dp_held = s.dp_held and s.dp_work
             if s.dp_turn and s.dp_work:
                 s.dp_turn = False
-                plan = _form(scheduler, original)
-                if plan.batch_to_run is not None:
-                    s.dp_steps += 1
-                    s.dp_wait_steps = 0
-                    self.counters.dp_steps_in_session += 1
-                    self.publish(scheduler, plan=plan)
+                plan = self._dp_step(scheduler, s, original)
+                if plan is not None:
                     return plan
-                scheduler.running_batch, scheduler.last_batch = plan.running_batch, None
             plan = self._tp_boundary(scheduler, s, original)
             if plan is not None:
                 return plan
         plan = _form(scheduler, original)
         self.publish(scheduler, plan=plan)  # cheap unless due: /flying/status stays current
+        return plan
+
+    def _dp_step(self, scheduler, s, original):
+        """The DP step between two group steps (DP state): SGLang's plan, or None when
+        there is nothing to run or the step is held. A DP decode that needs the KV
+        slots the session reserved here is held (its requests keep their KV) until the
+        session yields: the exchange tells every member (``dp_held``)."""
+        s.dp_held = move.holds_dp(scheduler, s.scope)
+        if s.dp_held:
+            self.counters.dp_held_for_kv += 1
+            return None
+        plan = _form(scheduler, original)
+        if plan.batch_to_run is None:
+            scheduler.running_batch, scheduler.last_batch = plan.running_batch, None
+            return None
+        s.dp_steps += 1
+        s.dp_wait_steps = 0
+        self.counters.dp_steps_in_session += 1
+        self.publish(scheduler, plan=plan)
         return plan
 
     def _merge_first(self, scheduler) -> bool:

@@ -35,6 +35,8 @@ class Shared:
     aborts: list[int]  # rid keys the leader announces as aborted
     dp_waiting: int  # members with DP work waiting for this session to end
     busy: int = 0  # members with session requests still waiting or running
+    #: members whose running DP requests need KV slots this session holds to decode
+    dp_held: int = 0
 
     @property
     def done(self) -> bool:
@@ -55,17 +57,21 @@ def _padded(values: list[int], width: int) -> list[int]:
     return [len(values), *values, *[0] * (width - len(values))]
 
 
-_BUSY = 1 << 8  # the summed ``own`` carries two counts: DP work (low byte), busy (high)
+#: the summed ``own`` carries three counts, a byte each: DP work, busy, DP held for KV
+_BUSY = 1 << 8
+_HELD = 1 << 16
 
 
 def exchange(
-    member, batch, offers: list[int], aborts: list[int], dp_work: bool, busy: bool
+    member, batch, offers: list[int], aborts: list[int], dp_work: bool, busy: bool,
+    dp_held: bool = False,
 ) -> Shared:
     """One collective: check lockstep, learn the leader's offers and aborts, and how many
-    members have DP work waiting or session work left."""
+    members have DP work waiting, session work left, or DP requests held for KV."""
     mine = signature(batch)
     values = mine + _padded(offers[:MAX_OFFERS], MAX_OFFERS) + _padded(aborts[:MAX_ABORTS], MAX_ABORTS)
-    shared, own = member.share_ints(values, WIDTH, own=int(dp_work) + _BUSY * int(busy))
+    own = int(dp_work) + _BUSY * int(busy) + _HELD * int(dp_held)
+    shared, own = member.share_ints(values, WIDTH, own=own)
     if shared[:SIG] != mine:
         raise LockstepError(
             f"flying: TP group out of lockstep: leader batch {shared[:SIG]}, "
@@ -75,5 +81,5 @@ def exchange(
     a = o + 1 + MAX_OFFERS
     return Shared(
         shared[o + 1 : o + 1 + shared[o]], shared[a + 1 : a + 1 + shared[a]],
-        own % _BUSY, own // _BUSY,
+        own % _BUSY, own // _BUSY % (_HELD // _BUSY), own // _HELD,
     )

@@ -76,6 +76,9 @@ class GroupSession:
     move_retry_at: int = 0  # the TP step from which a refused move may be tried again
     dp_work: bool = False  # this member has DP work (seen at the last boundary)
     dp_turn: bool = False  # the next boundary runs a DP step if there is DP work
+    #: this member's DP decode needs KV slots the session holds: its DP step is held
+    #: and the session yields (moves its requests or, closed to new ones, drains)
+    dp_held: bool = False
     batch: object = None  # the TP batch of the current step (until the next input boundary)
     failure: BaseException | None = None  # raised in a TP step; contained at next input
     #: perf_counter stamps: bind taken, rendezvous done, first TP step ready

@@ -130,7 +130,12 @@ class Lifecycle:
             s.joined += admission.admit(self, scheduler, s.member, s.scope, shared.offers)
         # DP work waits on a member: a session that may hand its requests to DP moves
         # them to the leader now (every member decides alike: shared values, lockstep).
-        wants_move = bool(shared.dp_waiting) and self._may_move(s)
+        # Any session (unless moves are off) yields when a member's DP requests need
+        # the KV it reserved there; while they do, it takes no one new.
+        held = bool(shared.dp_held)
+        wants_move = (bool(shared.dp_waiting) and self._may_move(s)) or (
+            held and self.move_to_dp != "off" and s.tp_steps >= s.move_retry_at
+        )
         if wants_move and move.ready(scheduler):
             moved = move.to_dp(scheduler, s, self.faults)
             if moved is not None:
@@ -146,14 +151,14 @@ class Lifecycle:
         self.faults.check("step")
         # Admission stays open (DP work runs between group steps, so it never waits
         # for the group); it closes only when a request could not reserve its KV.
-        admitting = s.scope.admitting and not wants_move  # a moving session takes no one
+        admitting = s.scope.admitting and not wants_move and not held
         offers = admission.candidates(self.pending, s.bind) if admitting else []
         due = (
             self.aborts.due(containment.session_reqs(scheduler), exchange.MAX_ABORTS)
             if s.is_leader else []
         )
         busy = bool(scheduler.waiting_queue) or not scheduler.running_batch.is_empty()
-        s.shared = exchange.exchange(s.member, batch, offers, due, s.dp_work, busy)
+        s.shared = exchange.exchange(s.member, batch, offers, due, s.dp_work, busy, s.dp_held)
         if batch is not None:
             s.idle_steps = 0
             s.tp_steps += 1

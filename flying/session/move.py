@@ -128,6 +128,24 @@ def to_dp(scheduler, s, faults=None) -> Moved | None:
     )
 
 
+def holds_dp(scheduler, scope) -> bool:
+    """Whether the engine's DP batch (DP state) cannot run its next decode step unless
+    the session gives back the KV slots it reserved on this engine.
+
+    SGLang meets a short pool by retracting DP requests, and aborts the last one when
+    even that is not enough; a slot a group holds is one plain SGLang would have had.
+    So such a DP step is held (its requests keep their KV) and the session yields.
+    A step that would not fit even with the reservations back is SGLang's to handle,
+    as without Flying. ``check_decode_mem`` evicts from the prefix cache first, as
+    SGLang's own check does at the same boundary."""
+    running = scheduler.running_batch
+    if running is None or running.is_empty() or running.check_decode_mem():
+        return False
+    need = running.new_tokens_required_next_decode()
+    reserved = sum(int(r.dp_slots.numel()) for r in scope.reservations)
+    return scheduler.token_to_kv_pool_allocator.available_size() + reserved >= need
+
+
 def _room(scheduler, scope) -> int:
     """DP slots the leader could give the moved requests (free, evictable in its
     prefix cache, and the session's own reservations, returned before the move)."""

@@ -53,3 +53,11 @@ def test_a_different_batch_or_token_is_a_lockstep_error():
         exchange.exchange(member, _batch([3]), [], [], False, True)
     with pytest.raises(exchange.LockstepError):  # same lengths, another token
         exchange.exchange(member, _batch([3, 4], last=(8,)), [], [], False, True)
+
+
+def test_dp_held_is_counted_apart_from_dp_work_and_busy():
+    peer = 1 + 256 + 65536  # a peer with DP work, session work, and DP held for KV
+    got = exchange.exchange(_Leader(others_own=peer), None, [], [], True, True, True)
+    assert (got.dp_waiting, got.busy, got.dp_held) == (2, 2, 2)
+    alone = exchange.exchange(_Leader(), None, [], [], True, False)
+    assert (alone.dp_waiting, alone.busy, alone.dp_held) == (1, 0, 0)

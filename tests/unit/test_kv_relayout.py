@@ -103,3 +103,29 @@ def test_a_join_budgets_what_the_request_holds_and_may_still_produce():
     assert _budget(_req(10, 5, 20, finished=lambda: True), 1000) is None
     assert _budget(_req(10, 5, 20, kv=SimpleNamespace(kv_allocated_len=3)), 1000) is None
     assert _budget(_req(10, 5, 20, sampling_params=None), 1000) is None  # odd: stays in DP
+
+
+def _engine(available: int, fits: bool, need: int, reserved: list[int], empty: bool = False):
+    """A stand-in scheduler (DP state) and session scope for ``move.holds_dp``."""
+    batch = SimpleNamespace(
+        is_empty=lambda: empty, check_decode_mem=lambda: fits,
+        new_tokens_required_next_decode=lambda: need,
+    )
+    scheduler = SimpleNamespace(
+        running_batch=batch,
+        token_to_kv_pool_allocator=SimpleNamespace(available_size=lambda: available),
+    )
+    scope = SimpleNamespace(reservations=[SimpleNamespace(dp_slots=torch.zeros(n)) for n in reserved])
+    return scheduler, scope
+
+
+def test_a_dp_step_is_held_only_for_the_kv_a_session_reserved():
+    from flying.session.move import holds_dp
+
+    assert not holds_dp(*_engine(0, True, 2, [100]))  # fits: SGLang runs it
+    assert not holds_dp(*_engine(0, False, 2, [100], empty=True))  # no DP decode
+    assert holds_dp(*_engine(1, False, 2, [1]))  # short by 1, and the session holds 1
+    assert holds_dp(*_engine(0, False, 3, [2, 1]))
+    # short even with the session's slots back: SGLang retracts, as without Flying
+    assert not holds_dp(*_engine(0, False, 3, [2]))
+    assert not holds_dp(*_engine(0, False, 1, []))
