@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import requests
@@ -49,3 +50,22 @@ def greedy(server, ids: list[int], n: int, headers: dict | None = None) -> dict:
     r = server.post("/generate", payload, headers=headers or {}, timeout=600)
     assert r.status_code == 200, r.text
     return r.json()
+
+
+def greedy_on(server, ids: list[int], n: int, rank: int) -> tuple[threading.Thread, dict]:
+    """Start a greedy ``/generate`` of ``n`` tokens (EOS ignored) pinned to engine
+    ``rank``, in a thread; returns (the thread, the dict its JSON answer and
+    ``status_code`` land in once it is joined)."""
+    result: dict = {}
+
+    def run() -> None:
+        payload = {
+            "input_ids": ids, "routed_dp_rank": rank,
+            "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True},
+        }
+        r = server.post("/generate", payload, timeout=900)
+        result.update(r.json(), status_code=r.status_code)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, result

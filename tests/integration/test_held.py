@@ -13,13 +13,12 @@ leader with its KV), and both requests finish with transformers' greedy tokens.
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
 
 from tests.conftest import MAX_TOTAL_TOKENS
-from tests.node import engine_counter, greedy, status, wait_idle
+from tests.node import engine_counter, greedy, greedy_on, status, wait_idle
 from tests.reference import greedy_tokens, prompts
 
 pytestmark = pytest.mark.integration
@@ -42,18 +41,7 @@ def test_a_dp_request_outgrowing_into_a_groups_reservation_is_held_not_aborted(
     server = dp2_server
     before = wait_idle(server)
     dp_prompt, tp_prompt = prompts(2, PROMPT, seed=91)
-    result: dict = {}
-
-    def run_dp():  # engine 1: a member, not the group's leader
-        payload = {
-            "input_ids": dp_prompt, "routed_dp_rank": 1,
-            "sampling_params": {"max_new_tokens": DP_NEW, "temperature": 0, "ignore_eos": True},
-        }
-        r = server.post("/generate", payload, timeout=900)
-        result.update(r.json(), status_code=r.status_code)
-
-    dp = threading.Thread(target=run_dp, daemon=True)
-    dp.start()
+    dp, result = greedy_on(server, dp_prompt, DP_NEW, 1)  # engine 1: a member, not the leader
     deadline = time.monotonic() + 120
     while _total(status(server), "prefill_tokens") - _total(before, "prefill_tokens") < PROMPT:
         assert time.monotonic() < deadline, "the DP request did not start"

@@ -21,7 +21,7 @@ import time
 import pytest
 
 from tests.conftest import demo_server
-from tests.node import engine_counter, greedy, status, wait_idle
+from tests.node import engine_counter, greedy, greedy_on, status, wait_idle
 from tests.reference import greedy_tokens, prompts
 
 pytestmark = pytest.mark.integration
@@ -82,18 +82,7 @@ def _dp_then_tp(server, seed: int) -> tuple[dict, dict, dict, list, list]:
     returns (status before, long answer, short answer, long prompt, short prompt)."""
     before = wait_idle(server)
     long_prompt, short_prompt = prompts(2, 36, seed=seed)
-    result: dict = {}
-
-    def run_dp():  # pinned to engine 0, the TP-2 group's leader
-        payload = {
-            "input_ids": long_prompt, "routed_dp_rank": 0,
-            "sampling_params": {"max_new_tokens": LONG, "temperature": 0, "ignore_eos": True},
-        }
-        r = server.post("/generate", payload, timeout=600)
-        result.update(r.json(), status_code=r.status_code)
-
-    dp = threading.Thread(target=run_dp, daemon=True)
-    dp.start()
+    dp, result = greedy_on(server, long_prompt, LONG, 0)  # engine 0: the group's leader
     _until(lambda: _delta(status(server), before, "prefill_tokens") >= len(long_prompt),
            "the DP request did not start")
     time.sleep(0.5)  # some DP decode steps
@@ -143,7 +132,6 @@ def test_a_request_that_joined_a_group_moves_back_to_dp(move_server, demo_model_
     could not join (constrained decoding), with every request's tokens intact."""
     before = wait_idle(move_server)
     long_prompt, tp_prompt, dp_prompt = prompts(3, 30, seed=101)
-    result: dict = {}
     constrained: dict = {}
 
     def run_constrained():  # stays in DP on engine 0 throughout
@@ -157,15 +145,7 @@ def test_a_request_that_joined_a_group_moves_back_to_dp(move_server, demo_model_
     held = threading.Thread(target=run_constrained, daemon=True)
     held.start()
 
-    def run_long():  # pinned to engine 0, the TP-2 group's leader
-        payload = {
-            "input_ids": long_prompt, "routed_dp_rank": 0,
-            "sampling_params": {"max_new_tokens": LONG, "temperature": 0, "ignore_eos": True},
-        }
-        result.update(move_server.post("/generate", payload, timeout=600).json())
-
-    long = threading.Thread(target=run_long, daemon=True)
-    long.start()
+    long, result = greedy_on(move_server, long_prompt, LONG, 0)  # the group's leader
     _until(lambda: _delta(status(move_server), before, "prefill_tokens") >= len(long_prompt),
            "the DP request did not start")
     time.sleep(0.5)
