@@ -142,16 +142,19 @@ def holds_dp(scheduler, scope) -> bool:
     if running is None or running.is_empty() or running.check_decode_mem():
         return False
     need = running.new_tokens_required_next_decode()
-    reserved = sum(int(r.dp_slots.numel()) for r in scope.reservations)
-    return scheduler.token_to_kv_pool_allocator.available_size() + reserved >= need
+    return scheduler.token_to_kv_pool_allocator.available_size() + _reserved(scope) >= need
+
+
+def _reserved(scope) -> int:
+    """DP slots the session reserved on this engine (back to it when the session ends)."""
+    return sum(int(r.dp_slots.numel()) for r in scope.reservations)
 
 
 def _room(scheduler, scope) -> int:
     """DP slots the leader could give the moved requests (free, evictable in its
     prefix cache, and the session's own reservations, returned before the move)."""
-    reserved = sum(int(r.dp_slots.numel()) for r in scope.reservations)
     evictable = int(getattr(scheduler.tree_cache, "evictable_size", lambda: 0)())
-    return scheduler.token_to_kv_pool_allocator.available_size() + evictable + reserved
+    return scheduler.token_to_kv_pool_allocator.available_size() + evictable + _reserved(scope)
 
 
 def _land(scheduler, scope, batch, reqs, lens, block: torch.Tensor) -> None:
