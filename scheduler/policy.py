@@ -162,8 +162,11 @@ class PolicyConfig:
     light_load: float = 0.5  # requests per engine below which adaptive enters TP
     heavy_load: float = 1.5  # requests per engine above which adaptive leaves TP
     #: how much faster a group's decode step must be than one engine's for the policy
-    #: to choose it for latency (adaptive, priority); negative allows a slower group
-    tp_gain: float = 0.05
+    #: to choose it for latency (adaptive, priority); negative allows a slower group.
+    #: 10 %: forming a group pauses the members' DP work for a rendezvous and the
+    #: group's first step, which a step a few % faster does not earn back (a 5 % gain
+    #: on the demo model made the longest pause of a run 2.7x static DP's: BENCHMARKS)
+    tp_gain: float = 0.10
 
     def validate(self) -> PolicyConfig:
         if self.policy not in POLICIES:

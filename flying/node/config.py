@@ -68,7 +68,7 @@ class FlyingConfig:
     #: How much faster (a fraction) a group's measured decode step must be than one
     #: engine's for the policy to choose it for latency (adaptive light load, priority).
     #: Negative allows a slower group (for experiments and tests).
-    tp_gain: float = 0.05
+    tp_gain: float = 0.10
     #: Where the DP controller appends its decision log (JSON lines: inputs, decision,
     #: reason) for ``python -m scheduler.replay``; empty: no log.
     decision_log: str = ""
@@ -182,7 +182,7 @@ _HELP = {
     "move_to_dp": "Groups whose running requests move between layouts with their KV: policy, all, off.",
     "light_load": "Adaptive policy: requests per engine below which engines group into TP.",
     "heavy_load": "Adaptive policy: requests per engine above which engines return to DP.",
-    "tp_gain": "How much faster a group's measured step must be than one engine's to pick it for latency (0.05 = 5 %).",
+    "tp_gain": "How much faster a group's measured step must be than one engine's to pick it for latency (0.10 = 10 %).",
     "decision_log": "File the controller appends its decisions to (JSON lines, for python -m scheduler.replay).",
     "experimental_cuda_groups": "Allow TP groups on CUDA engines (unverified; off by default).",
     "client_priority": "trust: clients set priority (X-Priority, body priority); ignore: both dropped.",

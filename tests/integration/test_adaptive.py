@@ -15,7 +15,7 @@ import pytest
 import requests
 
 from scheduler import replay
-from scheduler.policy import Costs
+from scheduler.policy import Costs, PolicyConfig
 from tests.conftest import MAX_TOTAL_TOKENS, serve
 from tests.reference import greedy_tokens, prompts
 
@@ -47,15 +47,16 @@ def test_engines_measure_step_costs_per_mode(adaptive_server):
 
 def test_light_load_placement_follows_measured_costs(adaptive_server, demo_model_dir):
     """At light load the controller puts a request in a TP-2 group only where the
-    engines measured a group step at least 5 % faster than one engine's; each decision
-    is in the log with its inputs and replays offline to the same decision."""
+    engines measured a group step at least ``--flying-tp-gain`` faster than one
+    engine's; each decision is in the log with its inputs and replays offline to the
+    same decision."""
     for ids in prompts(3, 9, seed=21):
         body = adaptive_server.generate_ids(ids, 10)
         assert body["output_ids"] == greedy_tokens(demo_model_dir, ids, 10)
         line = json.loads(adaptive_server.decisions.read_text().splitlines()[-1])
         costs = Costs.from_json(line["costs"])
         assert costs is not None and costs.gain(2) is not None
-        want = "tp" if costs.gain(2) >= 0.05 else "dp"
+        want = "tp" if costs.gain(2) >= PolicyConfig().tp_gain else "dp"
         assert line["decision"]["mode"] == want, line
         assert body["meta_info"]["flying"]["mode"] == want, body["meta_info"]
         if want == "dp":
