@@ -43,11 +43,7 @@ def engine_counter(doc: dict, key: str) -> list:
 
 def greedy(server, ids: list[int], n: int, headers: dict | None = None) -> dict:
     """A greedy ``/generate`` of ``n`` tokens (EOS ignored); the JSON answer (asserts 200)."""
-    payload = {
-        "input_ids": ids,
-        "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True},
-    }
-    r = server.post("/generate", payload, headers=headers or {}, timeout=600)
+    r = server.post("/generate", _greedy_payload(ids, n), headers=headers or {}, timeout=600)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -59,13 +55,29 @@ def greedy_on(server, ids: list[int], n: int, rank: int) -> tuple[threading.Thre
     result: dict = {}
 
     def run() -> None:
-        payload = {
-            "input_ids": ids, "routed_dp_rank": rank,
-            "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True},
-        }
-        r = server.post("/generate", payload, timeout=900)
+        r = server.post("/generate", {**_greedy_payload(ids, n), "routed_dp_rank": rank}, timeout=900)
         result.update(r.json(), status_code=r.status_code)
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     return thread, result
+
+
+def _greedy_payload(ids: list[int], n: int) -> dict:
+    return {
+        "input_ids": ids,
+        "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True},
+    }
+
+
+def total(doc: dict, key: str) -> int:
+    """``key`` summed over the engines of a status document."""
+    return sum(engine_counter(doc, key))
+
+
+def until(cond, what: str, timeout: float = 120) -> None:
+    """Poll ``cond`` every 50 ms; fail the test with ``what`` after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)

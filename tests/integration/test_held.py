@@ -18,7 +18,7 @@ import time
 import pytest
 
 from tests.conftest import MAX_TOTAL_TOKENS
-from tests.node import engine_counter, greedy, greedy_on, status, wait_idle
+from tests.node import engine_counter, greedy, greedy_on, status, total, until, wait_idle
 from tests.reference import greedy_tokens, prompts
 
 pytestmark = pytest.mark.integration
@@ -31,10 +31,6 @@ DP_NEW = MAX_TOTAL_TOKENS - PROMPT - 150
 TP_NEW = 1600
 
 
-def _total(doc: dict, key: str) -> int:
-    return sum(engine_counter(doc, key))
-
-
 def test_a_dp_request_outgrowing_into_a_groups_reservation_is_held_not_aborted(
     dp2_server, demo_model_dir
 ):
@@ -42,10 +38,8 @@ def test_a_dp_request_outgrowing_into_a_groups_reservation_is_held_not_aborted(
     before = wait_idle(server)
     dp_prompt, tp_prompt = prompts(2, PROMPT, seed=91)
     dp, result = greedy_on(server, dp_prompt, DP_NEW, 1)  # engine 1: a member, not the leader
-    deadline = time.monotonic() + 120
-    while _total(status(server), "prefill_tokens") - _total(before, "prefill_tokens") < PROMPT:
-        assert time.monotonic() < deadline, "the DP request did not start"
-        time.sleep(0.05)
+    until(lambda: total(status(server), "prefill_tokens") - total(before, "prefill_tokens") >= PROMPT,
+          "the DP request did not start")
     time.sleep(0.5)
     tp = greedy(server, tp_prompt, TP_NEW, {"X-Flying-TP": "2"})
     dp.join(timeout=900)
@@ -54,8 +48,8 @@ def test_a_dp_request_outgrowing_into_a_groups_reservation_is_held_not_aborted(
     for key in ("free_kv_slots", "free_req_rows"):
         assert engine_counter(after, key) == engine_counter(before, key)
 
-    assert _total(after, "dp_held_for_kv") > _total(before, "dp_held_for_kv")
-    assert _total(after, "moved_to_dp") == _total(before, "moved_to_dp") + 1
+    assert total(after, "dp_held_for_kv") > total(before, "dp_held_for_kv")
+    assert total(after, "moved_to_dp") == total(before, "moved_to_dp") + 1
     assert "moved" in tp["meta_info"]["flying"], tp["meta_info"]["flying"]
     assert result["meta_info"]["completion_tokens"] == DP_NEW
     assert result["output_ids"] == greedy_tokens(demo_model_dir, dp_prompt, DP_NEW)

@@ -21,7 +21,7 @@ import time
 import pytest
 
 from tests.conftest import demo_server
-from tests.node import engine_counter, greedy, greedy_on, status, wait_idle
+from tests.node import engine_counter, greedy, greedy_on, status, total, until, wait_idle
 from tests.reference import greedy_tokens, prompts
 
 pytestmark = pytest.mark.integration
@@ -39,19 +39,8 @@ def move_server(demo_model_dir, tmp_path_factory):
     )
 
 
-def _total(doc: dict, key: str) -> int:
-    return sum(engine_counter(doc, key))
-
-
 def _delta(after: dict, before: dict, key: str) -> int:
-    return _total(after, key) - _total(before, key)
-
-
-def _until(cond, what: str, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
+    return total(after, key) - total(before, key)
 
 
 def _tp_then_dp(server, seed: int) -> tuple[dict, dict, dict, list, list]:
@@ -71,7 +60,7 @@ def _tp_then_dp(server, seed: int) -> tuple[dict, dict, dict, list, list]:
             doc["totals"]["tp_steps"] > before["totals"]["tp_steps"] + 20
         )
 
-    _until(group_runs, "the TP-2 session did not start")
+    until(group_runs, "the TP-2 session did not start")
     short = greedy(server, short_prompt, SHORT)
     group.join(timeout=600)
     return before, result, short, long_prompt, short_prompt
@@ -83,7 +72,7 @@ def _dp_then_tp(server, seed: int) -> tuple[dict, dict, dict, list, list]:
     before = wait_idle(server)
     long_prompt, short_prompt = prompts(2, 36, seed=seed)
     dp, result = greedy_on(server, long_prompt, LONG, 0)  # engine 0: the group's leader
-    _until(lambda: _delta(status(server), before, "prefill_tokens") >= len(long_prompt),
+    until(lambda: _delta(status(server), before, "prefill_tokens") >= len(long_prompt),
            "the DP request did not start")
     time.sleep(0.5)  # some DP decode steps
     short = greedy(server, short_prompt, SHORT, TP2)
@@ -146,11 +135,11 @@ def test_a_request_that_joined_a_group_moves_back_to_dp(move_server, demo_model_
     held.start()
 
     long, result = greedy_on(move_server, long_prompt, LONG, 0)  # the group's leader
-    _until(lambda: _delta(status(move_server), before, "prefill_tokens") >= len(long_prompt),
+    until(lambda: _delta(status(move_server), before, "prefill_tokens") >= len(long_prompt),
            "the DP request did not start")
     time.sleep(0.5)
     tp = greedy(move_server, tp_prompt, SHORT, TP2)  # binds [0, 1]: the long request joins
-    _until(lambda: _delta(status(move_server), before, "moved_to_tp") == 1, "no join")
+    until(lambda: _delta(status(move_server), before, "moved_to_tp") == 1, "no join")
     payload = {  # DP work on engine 1: the group hands its requests back to engine 0
         "input_ids": dp_prompt, "routed_dp_rank": 1,
         "sampling_params": {"max_new_tokens": SHORT, "temperature": 0, "ignore_eos": True},
