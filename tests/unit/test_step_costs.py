@@ -36,6 +36,28 @@ def test_cost_is_a_low_percentile_so_a_burst_does_not_charge_one_mode():
     assert clock.samples() == {1: 46, 2: 16}
 
 
+def test_sustained_load_does_not_make_a_slower_group_look_faster():
+    """Every DP sample of a full window stretched (a steady benchmark keeps the cores
+    busy) while the group, not running, keeps its probe value: DP must still win."""
+    clock = StepClock()
+    for _ in range(16):
+        clock.record(2, 8.2)  # the probe's group steps
+        clock.record(1, 6.9)  # and one engine's, on the same quiet machine
+    for _ in range(200):
+        clock.record(1, 9.5)  # DP under load: every sample of the window stretched
+    assert clock.decode_ms() == {1: 6.9, 2: 8.2}
+    for _ in range(64):
+        clock.record(1, 5.0)  # DP measured faster later: the cost follows it down
+    assert clock.decode_ms()[1] == 5.0
+
+
+def test_few_samples_use_their_own_percentile():
+    clock = StepClock()
+    for ms in (3.0, 9.0, 9.0):
+        clock.record(2, ms)
+    assert clock.decode_ms() == {2: 3.0}
+
+
 def test_boundary_label_measures_the_interval_between_boundaries(monkeypatch):
     import flying.session.step_costs as sc
 

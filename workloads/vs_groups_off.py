@@ -1,0 +1,172 @@
+"""Flying's defaults vs the same server with groups off, measured by SGLang's own benchmark.
+
+The project's promise is that Flying's defaults never leave a node worse than plain
+SGLang (design invariant 8). This tool checks it the way a new user would: it starts two
+servers on the same model, both up for the whole run,
+
+- ``flying``: ``python -m flying.launch`` with Flying's defaults,
+- ``groups-off``: the same with ``--flying-tp-degrees none`` (SGLang's own DP controller),
+
+and runs ``python -m sglang.benchmark.serving`` (``--dataset-name random-ids``, Poisson
+arrivals) against them in alternating rounds (flying, groups-off, flying, ...), so that a
+drifting machine affects both alike. Only one server has traffic at a time; the idle one
+sleeps (``--sleep-on-idle``). It prints one table of every latency and throughput figure
+SGLang reports, per system (median over rounds) and as ratios flying / groups-off
+(above 1 is worse for latencies, below 1 is worse for throughputs).
+
+CLI::
+
+    python -m workloads.vs_groups_off [--model-path DIR] [--rate 6] [--num-prompts 120] \\
+        [--input-len 128] [--output-len 64] [--rounds 2] [--server-args "--dp-size 2"] \\
+        [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import subprocess
+import sys
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from workloads.server import Server, start_server
+
+DEFAULT_SERVER_ARGS = "--dp-size 2"
+SYSTEMS = {"flying": [], "groups-off": ["--flying-tp-degrees", "none"]}
+
+#: (key in SGLang's result line, label, True if higher is better)
+FIGURES = [
+    ("completed", "completed", True),
+    ("request_throughput", "requests/s", True),
+    ("output_throughput", "output tok/s", True),
+    ("mean_ttft_ms", "TTFT mean (ms)", False),
+    ("median_ttft_ms", "TTFT p50", False),
+    ("p90_ttft_ms", "TTFT p90", False),
+    ("p99_ttft_ms", "TTFT p99", False),
+    ("mean_tpot_ms", "TPOT mean (ms)", False),
+    ("median_tpot_ms", "TPOT p50", False),
+    ("p99_tpot_ms", "TPOT p99", False),
+    ("median_itl_ms", "ITL p50 (ms)", False),
+    ("p95_itl_ms", "ITL p95", False),
+    ("p99_itl_ms", "ITL p99", False),
+    ("max_itl_ms", "ITL max", False),
+    ("median_e2e_latency_ms", "E2E p50 (ms)", False),
+    ("p90_e2e_latency_ms", "E2E p90", False),
+    ("p99_e2e_latency_ms", "E2E p99", False),
+]
+
+
+def log(message: str) -> None:
+    print(f"[vs_groups_off {datetime.now():%H:%M:%S}] {message}", flush=True)
+
+
+def bench_command(url: str, args: argparse.Namespace, seed: int, out: Path) -> list[str]:
+    """SGLang's serving benchmark as a new user would run it (random ids, Poisson)."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    return [
+        sys.executable, "-m", "sglang.benchmark.serving", "--backend", "sglang",
+        "--host", host, "--port", port, "--dataset-name", "random-ids",
+        "--tokenizer", args.model_path, "--random-input-len", str(args.input_len),
+        "--random-output-len", str(args.output_len), "--random-range-ratio", "1.0",
+        "--request-rate", f"{args.rate:g}", "--num-prompts", str(args.num_prompts),
+        "--seed", str(seed), "--output-file", str(out), "--disable-tqdm",
+    ]
+
+
+def run_bench(cmd: Sequence[str], out: Path, log_path: Path, timeout_s: float) -> dict[str, Any]:
+    """Run SGLang's benchmark; its result line (the last JSON line of ``out``)."""
+    with open(log_path, "w") as logf:
+        proc = subprocess.run(cmd, stdout=logf, stderr=subprocess.STDOUT, timeout=timeout_s,
+                              check=False)
+    if proc.returncode != 0 or not out.is_file():
+        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-20:])
+        raise RuntimeError(f"sglang.benchmark.serving exited {proc.returncode}:\n{tail}")
+    return json.loads(out.read_text().strip().splitlines()[-1])
+
+
+def max_itl_ms(result: dict[str, Any]) -> float | None:
+    """The longest gap between two tokens of any request (``--output-details`` lists them)."""
+    itls = [gap for per_req in result.get("itls") or [] for gap in per_req]
+    return max(itls) * 1e3 if itls else result.get("max_itl_ms")
+
+
+def table(results: dict[str, list[dict[str, Any]]]) -> str:
+    """Median over rounds per system, and the ratio flying / groups-off."""
+    head = ["figure", "flying", "groups-off", "flying / groups-off", "worse?"]
+    lines = ["| " + " | ".join(head) + " |", "|---|---:|---:|---:|---|"]
+    for key, label, higher_better in FIGURES:
+        vals = {name: [r[key] for r in rs if r.get(key) is not None]
+                for name, rs in results.items()}
+        if not all(vals.values()):
+            continue
+        a, b = (statistics.median(vals[name]) for name in ("flying", "groups-off"))
+        ratio = a / b if b else float("nan")
+        worse = (ratio < 1.0) if higher_better else (ratio > 1.0)
+        lines.append(f"| {label} | {a:.1f} | {b:.1f} | {ratio:.2f} | {'worse' if worse else ''} |")
+    return "\n".join(lines)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model-path", help="checkpoint directory (default: the demo model)")
+    p.add_argument("--server-args", default=DEFAULT_SERVER_ARGS,
+                   help=f"flags for both servers (default {DEFAULT_SERVER_ARGS!r})")
+    p.add_argument("--off-args", default="",
+                   help="extra flags for the groups-off server only (e.g. to isolate one cause)")
+    p.add_argument("--rate", type=float, default=6.0, help="Poisson request rate, req/s")
+    p.add_argument("--num-prompts", type=int, default=120)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=2, help="alternating rounds per system")
+    p.add_argument("--out", help="output directory (default results/vs-groups-off-<time>)")
+    p.add_argument("--timeout", type=float, default=900.0, help="limit per benchmark run, s")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    if not args.model_path:
+        from flying.node.demo_model import ensure_demo_model
+
+        args.model_path = str(ensure_demo_model())
+    out = Path(args.out or f"results/vs-groups-off-{datetime.now():%Y%m%d-%H%M%S}")
+    out.mkdir(parents=True, exist_ok=True)
+    servers: dict[str, Server] = {}
+    results: dict[str, list[dict[str, Any]]] = {name: [] for name in SYSTEMS}
+    try:
+        for name, extra in SYSTEMS.items():
+            server_args = ["--model-path", args.model_path, *shlex.split(args.server_args), *extra]
+            if name == "groups-off":
+                server_args += shlex.split(args.off_args)
+            log(f"starting {name}: python -m flying.launch {shlex.join(server_args)}")
+            servers[name], ready_s = start_server(server_args, out / f"{name}.server.log", retries=1)
+            log(f"{name} ready in {ready_s:.0f} s at {servers[name].url}")
+        for rnd in range(args.rounds):
+            order = list(SYSTEMS) if rnd % 2 == 0 else list(reversed(SYSTEMS))
+            for name in order:
+                res_path = out / f"{name}.round{rnd}.jsonl"
+                cmd = bench_command(servers[name].url, args, seed=rnd + 1, out=res_path)
+                cmd.append("--output-details")
+                log(f"round {rnd + 1}/{args.rounds} {name}: {shlex.join(cmd[1:])}")
+                result = run_bench(cmd, res_path, out / f"{name}.round{rnd}.log", args.timeout)
+                result["max_itl_ms"] = max_itl_ms(result)
+                results[name].append({k: result.get(k) for k, _, _ in FIGURES})
+                log(f"  {name}: TTFT p90 {result['p90_ttft_ms']:.1f} ms, "
+                    f"ITL max {result['max_itl_ms']:.1f} ms, "
+                    f"{result['output_throughput']:.1f} tok/s")
+    finally:
+        for server in servers.values():
+            server.stop()
+    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    text = table(results)
+    (out / "table.md").write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
