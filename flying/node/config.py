@@ -15,6 +15,11 @@ import os
 import re
 from dataclasses import asdict, dataclass, field, fields
 
+from scheduler.policy import PolicyConfig
+
+#: The policy's own defaults: the flags below take theirs from it (one place).
+_POLICY = PolicyConfig()
+
 ENV_VAR = "FLYING_CONFIG"
 
 PLATFORMS = ("auto", "cpu", "native")
@@ -49,9 +54,9 @@ class FlyingConfig:
     #: Seconds a bind waits for all group members to reach a step boundary.
     bind_timeout_s: float = 30.0
     #: Global scheduler policy: adaptive, static-dp, static-tp or manual.
-    policy: str = "adaptive"
+    policy: str = _POLICY.policy
     #: Requests with priority >= this run in the largest TP group.
-    priority_threshold: int = 1
+    priority_threshold: int = _POLICY.priority_threshold
     #: How a bind treats the members' running DP requests: "hard" pauses them with their
     #: KV kept (latency first); "soft" lets them finish first, admitting no new DP work
     #: on the members meanwhile (throughput first).
@@ -62,13 +67,13 @@ class FlyingConfig:
     #: ones too), "off" (a group keeps its requests; DP work runs between group steps).
     move_to_dp: str = "policy"
     #: Adaptive policy: enter TP below this many requests per engine...
-    light_load: float = 0.5
+    light_load: float = _POLICY.light_load
     #: ...and go back to DP above this many.
-    heavy_load: float = 1.5
+    heavy_load: float = _POLICY.heavy_load
     #: How much faster (a fraction) a group's measured decode step must be than one
     #: engine's for the policy to choose it for latency (adaptive light load, priority).
     #: Negative allows a slower group (for experiments and tests).
-    tp_gain: float = 0.10
+    tp_gain: float = _POLICY.tp_gain
     #: Where the DP controller appends its decision log (JSON lines: inputs, decision,
     #: reason) for ``python -m scheduler.replay``; empty: no log.
     decision_log: str = ""
