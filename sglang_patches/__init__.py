@@ -89,6 +89,12 @@ PATCHES: tuple[Patch, ...] = (
         "contain a failed TP step's output processing",
     ),
     Patch(
+        "sglang.srt.managers.scheduler_components.load_inquirer.SchedulerLoadInquirer.get_loads",
+        "after",
+        "sglang_patches.load_inquirer:get_loads",
+        "load snapshots count a group's requests once (leader), in either of its states",
+    ),
+    Patch(
         "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer.is_request_level_customized_info_key",
         "around",
         "sglang_patches.output_streamer:is_request_level_customized_info_key",

@@ -245,6 +245,38 @@ class FlyingEngine(Lifecycle, Drain):
             self._failed(s, exc)
             return None
 
+    def count_session(self, snapshot):
+        """SGLang's load snapshot of this engine (``LoadSnapshot``), with a session's
+        requests counted once, on its leader, in whichever state the engine is in.
+
+        SGLang's inquirer counts the current state's batch and queue only: the session's
+        requests while a TP step runs (on every member: the others' are copies), the
+        engine's DP requests otherwise. So a load read between two steps missed the
+        session, one read during a step missed the DP work and counted the group m
+        times; SGLang's dispatch and the adaptive policy read these snapshots."""
+        s = self.session
+        if s is None:
+            return snapshot
+        other = s.scope.state.other
+        scheduler = s.scope.scheduler
+        running = len(other(scheduler, "running_batch").reqs)
+        waiting = len(other(scheduler, "waiting_queue"))
+        if s.scope.entered and not s.is_leader:  # counted the session's copies: not ours
+            snapshot.num_running_reqs, snapshot.num_waiting_reqs = running, waiting
+        elif s.scope.entered or s.is_leader:
+            snapshot.num_running_reqs += running
+            snapshot.num_waiting_reqs += waiting
+        return snapshot
+
+    def publish_load(self, scheduler) -> None:
+        """Publish SGLang's load snapshot now (DP state): requests changed engines or
+        layout (a session ended, its requests moved), which SGLang's own every-15-steps
+        publishing would show only seconds later on a slow model."""
+        try:
+            scheduler.publish_load_snapshot(force=True)
+        except Exception:  # noqa: BLE001 - a stale snapshot is SGLang's normal case
+            logger.exception("flying: engine %d could not publish its load", self.dp_rank)
+
     def publish(self, scheduler, force: bool = False, plan=None) -> None:
         """Refresh the engine's status in the store: on events (``force``), when the engine
         becomes busy or falls idle, and at most every ``STATUS_EVERY_S`` while busy, so

@@ -253,6 +253,7 @@ class Lifecycle:
             self.counters.rerun_in_dp += 1
             scheduler.handle_generate_request(req)
             report.mark(scheduler, req.rid, 1, f"re-run in DP: the TP-{s.bind.degree} group failed")
+        self.publish_load(scheduler)
         c = self.counters
         c.releases += 1
         c.tp_requests += len(s.scope.tokenized)
