@@ -3,7 +3,7 @@
 One Flying server (``--dp-size 2 --flying-move-to-dp all``). For each context length:
 
 - TP -> DP: a TP-2 request with that prompt starts in a group; as soon as it decodes, a
-  short DP request arrives and the session hands the request to DP on the leader (its
+  short DP request arrives and the session hands the request to DP on a member (its
   KV head shards gathered from the other member). The leader's ``move_ms_sum`` /
   ``moved_tokens`` / ``moved_bytes`` deltas (``/flying/status``) give the cost.
 - DP -> TP: a DP request with that prompt runs on engine 0; a short TP-2 request binds

@@ -62,7 +62,7 @@ class FlyingConfig:
     #: on the members meanwhile (throughput first).
     preempt: str = "hard"
     #: Which group sessions end at once when a member has DP work, their running
-    #: requests moved into DP on the leader with their KV (no recompute): "policy" (the
+    #: requests moved into DP on the members with their KV (no recompute): "policy" (the
     #: adaptive policy's light-load groups), "all" (any group, explicit and priority
     #: ones too), "off" (a group keeps its requests; DP work runs between group steps).
     move_to_dp: str = "policy"

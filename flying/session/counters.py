@@ -37,7 +37,7 @@ class EngineCounters:
     session_s_sum: float = 0.0
     last_switch_ms: dict[str, float] = field(default_factory=dict)
     last_fault: str = ""
-    #: requests a group handed to DP with their KV (counted on the leader), their
+    #: requests a group handed to DP with their KV (counted where each landed), their
     #: tokens of context, the KV bytes received from peers, and the move's time
     #: prompt tokens prefilled (a group's prefill counted once, on its leader): a
     #: request moved between layouts must not add its prompt again

@@ -186,20 +186,20 @@ class Lifecycle:
         return move.allowed(self.move_to_dp, s.scope.reasons) and s.tp_steps >= s.move_retry_at
 
     def _moved(self, scheduler, s: GroupSession, moved: move.Moved) -> None:
-        """The session's requests now run in DP on the leader: count, report, release."""
+        """The session's requests now run in DP, spread over its members: count and
+        report this member's, release."""
         c = self.counters
         c.move_ms_sum += moved.ms
         c.move_ms_max = max(c.move_ms_max, moved.ms)
         c.moved_bytes += moved.bytes_in
-        if s.is_leader:
-            c.moved_to_dp += moved.requests
-            c.moved_tokens += moved.tokens
-            for req in scheduler.running_batch.reqs[-moved.requests :]:
-                report.moved(req, s.bind.degree, move.MOVED_REASON)
+        c.moved_to_dp += moved.requests
+        c.moved_tokens += moved.tokens
+        for req in moved.reqs:
+            report.moved(req, s.bind.degree, move.MOVED_REASON)
         logger.info(
-            "flying: engine %d: %d request(s) of bind %s moved to DP on engine %d "
+            "flying: engine %d: %d request(s) of bind %s moved to DP here "
             "(%d tokens of KV, %.2f ms)", self.dp_rank, moved.requests, s.bind.bind_id,
-            s.bind.ranks[0], moved.tokens, moved.ms,
+            moved.tokens, moved.ms,
         )
         self._end(scheduler, s, [])
 

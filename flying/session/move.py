@@ -1,4 +1,4 @@
-"""Ending a group session at once: its running requests move into DP on the leader.
+"""Ending a group session at once: its running requests move into DP on its members.
 
 When a member has DP work (the per-step exchange sums it) and the session may hand its
 requests over (``--flying-move-to-dp``: the adaptive policy's light-load groups by
@@ -7,24 +7,29 @@ boundary, on every member at the same step,
 
 1. the session's requests must all be decoding (nothing waiting, no chunked prefill,
    the last TP batch a decode batch); otherwise the move waits for a later step;
-2. the members leave the TP state and agree (one MIN) that the leader has the DP room:
-   free + evictable slots + the session's own reserved slots >= the requests' tokens
-   plus one decode token each; otherwise the session keeps running and tries again
-   ``RETRY_STEPS`` group steps later (DP work keeps running between group steps);
+2. the members leave the TP state and share (one all-gather) their DP room (free +
+   evictable slots + the session's own reserved slots) and DP load; every member
+   computes the same ``assign``ment: each request to the least loaded member with room
+   for its tokens plus one decode token. If a request fits nowhere the session keeps
+   running and tries again ``RETRY_STEPS`` group steps later (DP work keeps running
+   between group steps);
 3. every member reads its head shard of every token (``kv_relayout.read_block`` on its
-   TP view) and the members exchange them; the leader gives the session's reserved
-   slots back, takes DP slots, writes whole rows (all heads), rewrites the requests'
-   ``req_to_token`` rows, re-homes them in the DP prefix cache (root lock, nothing
-   protected: the tree learns their tokens when they finish, as for any DP request) and
-   merges the TP batch into its DP running batch (SGLang's ``merge_batch``, the way a
-   prefill batch joins it); the other members free their rows;
+   TP view) and the members all-gather them; each member that was assigned requests
+   gives the session's reserved slots back, takes DP slots, writes whole rows (all
+   heads) for its requests, rewrites their ``req_to_token`` rows, re-homes them in the
+   DP prefix cache (root lock, nothing protected: the tree learns their tokens when
+   they finish, as for any DP request) and merges them into its DP running batch
+   (SGLang's ``merge_batch``, the way a prefill batch joins it); every member frees the
+   rows of the requests another member took;
 4. the session is released on every member.
 
 The requests keep every token they produced and their sampling state (penalties,
-logprobs, stream offsets live in the leader's ``Req`` and batch); nothing is
-prefilled again. The leader was the one answering the client, so the stream goes on.
-Invariant: after a move, every KV slot and request row is owned exactly once (the
-leader's DP allocator or a DP request), as after a release.
+logprobs, stream offsets live in each member's ``Req`` copy and batch, identical in
+lockstep); nothing is prefilled again. A request that lands on a member other than the
+leader is answered by that member from then on (SGLang's detokenizer and HTTP side key
+a stream by request id, not by engine; aborts reach every engine). Invariant: after a
+move, every KV slot and request row is owned exactly once (a member's DP allocator or
+a DP request), as after a release.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ from flying.substrate import kv_relayout
 
 logger = logging.getLogger(__name__)
 
-#: Group steps a session waits after a move was refused (no room on the leader).
+#: Group steps a session waits after a move was refused (a request fit on no member).
 RETRY_STEPS = 8
 #: Why a request's report says it left its group.
 MOVED_REASON = "moved to DP with its KV: DP work arrived"
@@ -73,17 +78,42 @@ def ready(scheduler) -> bool:
 
 @dataclass(frozen=True)
 class Moved:
-    requests: int
-    tokens: int
+    requests: int  # requests that landed in DP on this member
+    tokens: int  # their tokens of KV
     bytes_in: int  # KV bytes this member received from its peers
     ms: float  # from the members' agreement to the requests landing in DP
+    reqs: tuple = ()  # this member's landed requests
+
+
+def assign(lens: list[int], rooms: list[int], loads: list[int]) -> list[int] | None:
+    """The member (TP rank) each moved request lands on, or None if one fits nowhere.
+
+    Pure and deterministic (every member computes it from the same gathered values):
+    requests in batch order, each to the member with the fewest DP requests counting
+    those already assigned (lowest rank on ties), among those with room for its KV plus
+    one decode token. Spreading them keeps a group's requests from piling onto one
+    engine, where SGLang's dispatch would take many new requests to even it out."""
+    left, count, owners = list(rooms), list(loads), []
+    for n in lens:
+        fits = [r for r in range(len(left)) if left[r] >= n + 1]
+        if not fits:
+            return None
+        r = min(fits, key=lambda i: (count[i], i))
+        left[r] -= n + 1
+        count[r] += 1
+        owners.append(r)
+    return owners
 
 
 def to_dp(scheduler, s, faults=None) -> Moved | None:
-    """Move the session's running requests into DP on the leader (every member calls
-    this at the same boundary, in the session's TP state). Returns None, back in the TP
-    state with nothing changed, if the leader lacks room; otherwise the session's scope
-    is left and its requests are gone from it (the caller releases the session)."""
+    """Move the session's running requests into DP on its members (every member calls
+    this at the same boundary, in the session's TP state), spread by ``assign``.
+    Returns None, back in the TP state with nothing changed, if some request fits on no
+    member; otherwise the session's scope is left and its requests are gone from it
+    (the caller releases the session). A member that takes a request the leader was
+    answering answers it from here on: its copy of the request has run every step in
+    lockstep (same tokens, same stream offsets), and its output now goes to SGLang's
+    detokenizer like any DP request's."""
     batch, last = scheduler.running_batch, scheduler.last_batch
     batch.filter_batch()
     reqs = list(batch.reqs)
@@ -99,11 +129,9 @@ def to_dp(scheduler, s, faults=None) -> Moved | None:
     scheduler.last_batch = None
     scope.leave()
     try:
-        tokens = sum(lens)
-        room = 1
-        if s.is_leader:
-            room = int(_room(scheduler, scope) >= tokens + len(reqs))
-        if not s.member.min_int(room):
+        members = s.member.gather_ints([_room(scheduler, scope), _dp_load(scheduler)])
+        owners = assign(lens, [m[0] for m in members], [m[1] for m in members])
+        if owners is None:
             scope.enter()
             scheduler.running_batch, scheduler.last_batch = batch, last
             return None
@@ -116,16 +144,28 @@ def to_dp(scheduler, s, faults=None) -> Moved | None:
             scope.enter()
         scheduler.running_batch, scheduler.last_batch = batch, last
         raise
-    if s.is_leader:
-        _land(scheduler, scope, batch, reqs, lens, kv_relayout.join_shards(shards))
-    else:
-        for req in reqs:
+    me = s.member.tp_rank
+    keep = [i for i, owner in enumerate(owners) if owner == me]
+    for i, req in enumerate(reqs):
+        if owners[i] != me:
             scheduler.req_to_token_pool.free(req)
+    if keep:
+        full = kv_relayout.join_shards(shards)  # [layers, 2, sum(lens), H_kv, d]
+        starts = [sum(lens[:i]) for i in range(len(lens))]
+        block = torch.cat([full[:, :, starts[i] : starts[i] + lens[i]] for i in keep], dim=2)
+        batch.filter_batch(keep_indices=keep)
+        _land(scheduler, scope, batch, [reqs[i] for i in keep], [lens[i] for i in keep], block)
     peers = len(shards) - 1
     return Moved(
-        len(reqs), tokens, peers * shards[0].numel() * shards[0].element_size(),
-        (time.perf_counter() - t0) * 1e3,
+        len(keep), sum(lens[i] for i in keep),
+        peers * shards[0].numel() * shards[0].element_size(),
+        (time.perf_counter() - t0) * 1e3, tuple(reqs[i] for i in keep),
     )
+
+
+def _dp_load(scheduler) -> int:
+    """DP requests on this engine (DP state): running and waiting."""
+    return len(scheduler.running_batch.reqs) + len(scheduler.waiting_queue)
 
 
 def holds_dp(scheduler, scope) -> bool:

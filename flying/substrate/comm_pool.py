@@ -119,6 +119,15 @@ class Member:
                   for i in range(0, 4 * n, 4)]
         return shared, out[-1]
 
+    def gather_ints(self, values: list[int]) -> list[list[int]]:
+        """Every member's ``values`` (same length on all), in TP-rank order."""
+        t = torch.tensor(values, dtype=torch.int64)
+        if self.shm is not None:
+            return self.shm.all_gather(t.unsqueeze(0), dim=0).tolist()
+        outs = [torch.empty_like(t) for _ in range(self.group.degree)]
+        self.pg.allgather([outs], [t]).wait()
+        return [o.tolist() for o in outs]
+
     def min_int(self, value: int) -> int:
         """The smallest ``value`` over the group (admission steps only)."""
         t = torch.tensor([value], dtype=torch.int64)

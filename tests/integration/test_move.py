@@ -1,7 +1,8 @@
 """Running requests move between layouts with their KV (``--flying-move-to-dp all``).
 
 - TP -> DP: a long TP-2 request runs in a group; a DP request arrives. At the next group
-  step the session ends: the group's request moves into DP on the leader with its KV
+  step the session ends: the group's request moves into DP on the member with fewer DP
+  requests (the leader here) with its KV
   gathered from the other member (no recompute), and the DP request runs beside it.
 - DP -> TP: a long DP request runs on engine 0; a TP-2 request binds the group [0, 1]
   and the running request joins it with its KV scattered into both members' shards.
@@ -103,6 +104,62 @@ def test_a_running_group_request_moves_to_dp_when_dp_work_arrives(move_server, d
     assert _delta(after, before, "prefill_tokens") == len(long_prompt) + len(short_prompt)
     # The session ended at the move, long before its request finished.
     assert after["totals"]["tp_steps"] - before["totals"]["tp_steps"] < 2 * LONG
+
+
+def _stream_ids(server, ids: list[int], n: int, headers: dict) -> tuple[list[int], dict, int]:
+    """A streamed greedy /generate: (its output ids, the last chunk's meta_info, chunks)."""
+    import json
+
+    import requests
+
+    payload = {**{"input_ids": ids, "stream": True},
+               "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}
+    out: list[int] = []
+    meta: dict = {}
+    chunks = 0
+    with requests.post(server.url + "/generate", json=payload, headers=headers, stream=True,
+                       timeout=600) as r:
+        assert r.status_code == 200, r.text
+        for line in r.iter_lines():
+            if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
+                continue
+            doc = json.loads(line[5:])
+            got = doc["output_ids"]
+            # cumulative chunks (SGLang's default) or increments: both end as one list
+            out = got if out == got[: len(out)] and len(got) >= len(out) else out + got
+            meta, chunks = doc["meta_info"], chunks + 1
+    return out, meta, chunks
+
+
+def test_a_moved_request_goes_on_streaming_from_the_less_loaded_member(move_server, demo_model_dir):
+    """DP work arrives on the leader: the group's streamed request moves to the other
+    member (fewer DP requests), which answers the rest of the stream: every token,
+    once, equal to transformers'."""
+    before = wait_idle(move_server)
+    long_prompt, dp_prompt = prompts(2, 40, seed=109)
+    result: dict = {}
+    group = threading.Thread(
+        target=lambda: result.update(zip(("ids", "meta", "chunks"),
+                                         _stream_ids(move_server, long_prompt, LONG, TP2), strict=True)),
+        daemon=True,
+    )
+    group.start()
+    until(lambda: all(m == "tp2" for m in engine_counter(status(move_server), "mode"))
+          and status(move_server)["totals"]["tp_steps"] > before["totals"]["tp_steps"] + 20,
+          "the TP-2 session did not start")
+    dp, dp_result = greedy_on(move_server, dp_prompt, SHORT, 0)  # DP work on the leader
+    dp.join(timeout=600)
+    group.join(timeout=600)
+    after = _settled(move_server, before)
+    moved = [a - b for a, b in zip(engine_counter(after, "moved_to_dp"),
+                                   engine_counter(before, "moved_to_dp"), strict=True)]
+    assert moved == [0, 1], moved  # landed on engine 1, not on the leader
+    assert dp_result.pop("status_code") == 200, dp_result
+    assert dp_result["output_ids"] == greedy_tokens(demo_model_dir, dp_prompt, SHORT)
+    assert result["meta"]["flying"]["mode"] == "tp"  # a stream reports its first placement
+    assert result["chunks"] > 1
+    assert result["ids"] == greedy_tokens(demo_model_dir, long_prompt, LONG)
+    assert _delta(after, before, "prefill_tokens") == len(long_prompt) + len(dp_prompt)
 
 
 def test_a_running_dp_request_joins_a_forming_group(move_server, demo_model_dir):
