@@ -263,12 +263,6 @@ def main(argv: list[str] | None = None) -> None:
         # overlap loop would leave a DP batch's results pending across the session.
         logger.info("Flying TP enabled: adding --disable-overlap-schedule")
         sglang_argv.append("--disable-overlap-schedule")
-    if cfg.degree_list() and not _has_flag(sglang_argv, "--load-balance-method"):
-        # A group's requests moved to DP all land on its leader, and a session's members
-        # carry its requests besides their DP share: SGLang's default round robin never
-        # corrects that, its own least-requests dispatch does.
-        logger.info("Flying TP enabled: adding --load-balance-method total_requests")
-        sglang_argv += ["--load-balance-method", "total_requests"]
 
     from sglang.srt.plugins import load_plugins
 
