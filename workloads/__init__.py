@@ -12,6 +12,8 @@ TTFT / TPOT / queue time / throughput can be compared side by side (design brief
 - ``server``: the one way tests and benchmarks start a ``flying.launch`` server.
 - ``export``: traces as SGLang's Mooncake dataset (``sglang.benchmark.serving``), JSONL, CSV.
 - ``sidebyside``: ``workloads.client`` and ``sglang.benchmark.serving`` on one trace/server.
+- ``vs_groups_off``: SGLang's serving benchmark, Flying's defaults vs the same server with
+  groups off (``--flying-tp-degrees none``), alternating rounds.
 - ``client``: open-loop streaming benchmark client (``python -m workloads.client``).
 - ``metrics`` / ``timeseries``: summaries (with SGLang's goodput), tables, ratios, plot series.
 - ``compare``: static DP vs static TP vs Flying on one trace (``python -m workloads.compare``);
