@@ -150,11 +150,13 @@ def to_dp(scheduler, s, faults=None) -> Moved | None:
         if owners[i] != me:
             scheduler.req_to_token_pool.free(req)
     if keep:
-        full = kv_relayout.join_shards(shards)  # [layers, 2, sum(lens), H_kv, d]
-        starts = [sum(lens[:i]) for i in range(len(lens))]
-        block = torch.cat([full[:, :, starts[i] : starts[i] + lens[i]] for i in keep], dim=2)
+        tokens = None  # every request is this member's: all tokens, in order
+        if len(keep) < len(reqs):
+            starts = [sum(lens[:i]) for i in range(len(lens))]
+            tokens = torch.cat([torch.arange(starts[i], starts[i] + lens[i]) for i in keep])
         batch.filter_batch(keep_indices=keep)
-        _land(scheduler, scope, batch, [reqs[i] for i in keep], [lens[i] for i in keep], block)
+        _land(scheduler, scope, batch, [reqs[i] for i in keep], [lens[i] for i in keep],
+              shards, tokens)
     peers = len(shards) - 1
     return Moved(
         len(keep), sum(lens[i] for i in keep),
@@ -197,12 +199,15 @@ def _room(scheduler, scope) -> int:
     return scheduler.token_to_kv_pool_allocator.available_size() + evictable + _reserved(scope)
 
 
-def _land(scheduler, scope, batch, reqs, lens, block: torch.Tensor) -> None:
-    """Leader, DP state: write the gathered rows, re-point the requests at them and
-    merge them into the DP running batch. ``block``: [layers, 2, tokens, H_kv, d]."""
+def _land(scheduler, scope, batch, reqs, lens, shards: list[torch.Tensor],
+          tokens: torch.Tensor | None) -> None:
+    """A member, DP state: write its requests' rows from the members' shards (``shards``:
+    [layers, 2, n, H_kv/m, d] each, TP-rank order; ``tokens``: which of the n are these
+    requests', None for all), re-point the requests at them and merge them into the DP
+    running batch."""
     scope.release_all()  # their TP sub-slots are read: the reserved rows are free again
-    slots = tp_scope.take_dp_slots(scheduler, block.shape[2])
-    kv_relayout.write_block(scope.dp_pool, slots, block)
+    slots = tp_scope.take_dp_slots(scheduler, sum(lens))
+    kv_relayout.write_shards(scope.dp_pool, slots, shards, tokens)
     rehome(scheduler, reqs, lens, slots)
     batch.token_to_kv_pool_allocator = scheduler.token_to_kv_pool_allocator
     batch.tree_cache = scheduler.tree_cache

@@ -38,6 +38,24 @@ def write_block(pool, slots: torch.Tensor, block: torch.Tensor) -> None:
         v[idx] = block[layer, 1].to(v.dtype)
 
 
+def write_shards(pool, slots: torch.Tensor, shards: list[torch.Tensor],
+                 tokens: torch.Tensor | None = None) -> None:
+    """Write whole rows into ``slots`` of a DP ``pool`` straight from the members' shard
+    blocks (TP-rank order, each ``[layers, 2, n, H_kv/m, d]``): rank r's heads go to
+    heads ``[r*H_kv/m, (r+1)*H_kv/m)``. ``tokens`` (indices into the n tokens) picks
+    the tokens to write, in ``slots`` order; None writes all. Same result as
+    ``write_block(pool, slots, join_shards(shards)[:, :, tokens])`` without building
+    the joined block (two copies of every byte fewer: ~10 ms per 16 MiB on this CPU)."""
+    idx = slots.to(pool.k_buffer[0].device, torch.int64)
+    h = shards[0].shape[3]
+    for layer, (k, v) in enumerate(zip(pool.k_buffer, pool.v_buffer, strict=True)):
+        for r, shard in enumerate(shards):
+            heads = slice(r * h, (r + 1) * h)
+            kv = shard[layer] if tokens is None else shard[layer][:, tokens]
+            k[idx, heads] = kv[0].to(k.dtype)
+            v[idx, heads] = kv[1].to(v.dtype)
+
+
 def join_shards(shards: list[torch.Tensor]) -> torch.Tensor:
     """Shard blocks in TP-rank order -> the full block (heads concatenated)."""
     return torch.cat(shards, dim=3)

@@ -64,6 +64,25 @@ def test_scatter_then_gather_round_trips():
     assert torch.equal(back, block)
 
 
+def test_write_shards_equals_writing_the_joined_block():
+    m = 2
+    members = [_pool(seed=20 + r) for r in range(m)]
+    slots = torch.tensor([4, 1, 9, 6, 2])
+    shards = [kv_relayout.read_block(_tp_view(p, m), slots) for p in members]
+    tokens = torch.tensor([3, 0, 4])  # some tokens, in another order
+    want, got = _pool(seed=30), _pool(seed=30)
+    dp_slots = torch.tensor([7, 12, 5])
+    kv_relayout.write_block(want, dp_slots, kv_relayout.join_shards(shards)[:, :, tokens])
+    kv_relayout.write_shards(got, dp_slots, shards, tokens)
+    for a, b in zip(want.k_buffer + want.v_buffer, got.k_buffer + got.v_buffer, strict=True):
+        assert torch.equal(a, b)
+    every, joined = _pool(seed=31), _pool(seed=31)
+    kv_relayout.write_shards(every, torch.arange(20, 25), shards)
+    kv_relayout.write_block(joined, torch.arange(20, 25), kv_relayout.join_shards(shards))
+    for a, b in zip(every.k_buffer + every.v_buffer, joined.k_buffer + joined.v_buffer, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_block_bytes():
     assert kv_relayout.block_bytes(4, 1000, 2, 32, 4) == 4 * 2 * 1000 * 2 * 32 * 4
 
