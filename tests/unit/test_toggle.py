@@ -82,3 +82,41 @@ def test_entered_restores_on_error():
         assert o.limit == 99
         raise ValueError("boom")
     assert o.limit == 10
+
+
+class WithProperty:
+    def __init__(self):
+        self._size = 1
+        self.writes = 0
+
+    @property
+    def size(self):
+        return self._size
+
+    @size.setter
+    def size(self, v):
+        self.writes += 1
+        self._size = v
+
+
+def test_property_goes_through_its_setter():
+    o = WithProperty()
+    t = Toggle([(o, "size", 7)])
+    with entered(t):
+        assert o.size == 7
+    assert o.size == 1 and o.writes == 2 and "size" not in vars(o)
+
+
+def test_module_forward_and_registered_submodule():
+    import torch
+
+    lin = torch.nn.Linear(2, 2)
+    outer = torch.nn.Sequential(lin)
+    other = torch.nn.Linear(2, 2)
+    t = Toggle([(lin, "forward", lambda x: x * 0), (outer, "0", other)])
+    x = torch.ones(1, 2)
+    with entered(t):
+        assert torch.equal(lin(x), torch.zeros(1, 2))  # the instance forward is used
+        assert outer[0] is other and dict(outer.named_children())["0"] is other
+    assert "forward" not in vars(lin) and not torch.equal(lin(x), torch.zeros(1, 2))
+    assert outer[0] is lin and dict(outer.named_children())["0"] is lin
