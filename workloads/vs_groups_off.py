@@ -27,7 +27,6 @@ import argparse
 import json
 import shlex
 import statistics
-import subprocess
 import sys
 from collections.abc import Sequence
 from datetime import datetime
@@ -35,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from workloads.server import Server, start_server
+from workloads.sidebyside import run_sglang
 
 DEFAULT_SERVER_ARGS = "--dp-size 2"
 SYSTEMS = {"flying": [], "groups-off": ["--flying-tp-degrees", "none"]}
@@ -76,17 +76,6 @@ def bench_command(url: str, args: argparse.Namespace, seed: int, out: Path) -> l
         "--request-rate", f"{args.rate:g}", "--num-prompts", str(args.num_prompts),
         "--seed", str(seed), "--output-file", str(out), "--disable-tqdm",
     ]
-
-
-def run_bench(cmd: Sequence[str], out: Path, log_path: Path, timeout_s: float) -> dict[str, Any]:
-    """Run SGLang's benchmark; its result line (the last JSON line of ``out``)."""
-    with open(log_path, "w") as logf:
-        proc = subprocess.run(cmd, stdout=logf, stderr=subprocess.STDOUT, timeout=timeout_s,
-                              check=False)
-    if proc.returncode != 0 or not out.is_file():
-        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-20:])
-        raise RuntimeError(f"sglang.benchmark.serving exited {proc.returncode}:\n{tail}")
-    return json.loads(out.read_text().strip().splitlines()[-1])
 
 
 def max_itl_ms(result: dict[str, Any]) -> float | None:
@@ -153,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 cmd = bench_command(servers[name].url, args, seed=rnd + 1, out=res_path)
                 cmd.append("--output-details")
                 log(f"round {rnd + 1}/{args.rounds} {name}: {shlex.join(cmd[1:])}")
-                result = run_bench(cmd, res_path, out / f"{name}.round{rnd}.log", args.timeout)
+                result = run_sglang(cmd, res_path, out / f"{name}.round{rnd}.log", args.timeout)
                 result["max_itl_ms"] = max_itl_ms(result)
                 results[name].append({k: result.get(k) for k, _, _ in FIGURES})
                 log(f"  {name}: TTFT p90 {result['p90_ttft_ms']:.1f} ms, "
