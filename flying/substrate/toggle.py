@@ -103,10 +103,10 @@ class Toggle:
     """A set of attribute exchanges entered and left as one (see the module docstring)."""
 
     def __init__(self, entries: list[tuple[object, str, object]] | None = None):
-        self._entries: list[list] = [
-            [obj, name, value, _own_dict(obj, name, value)] for obj, name, value in entries or ()
-        ]
+        self._entries: list[list] = []
         self.entered = False
+        for obj, name, value in entries or ():
+            self.add(obj, name, value)
 
     def add(self, obj: object, name: str, value: object) -> None:
         """Add an entry; while entered, it takes effect at once."""
