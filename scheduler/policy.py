@@ -24,7 +24,9 @@ Order of rules for one request:
    passes the engines' loads and step costs gets a TP answer (without them it is DP:
    a group that has not been shown to pay is never chosen for latency).
 A DP-only request never gets a group from rules 3 and 4: it runs in DP, and the
-decision's reason names the feature.
+decision's reason names the feature. Rule 2 also applies mid-request: a running DP
+request without a bound of its own that outgrows its engine joins a group
+(``Policy.upgrade``).
 
 ``max_new_tokens=None`` is SGLang's "no limit": the request may generate until the
 length limit of wherever it runs (SGLang 0.5.23 clips it to ``max_req_len - prompt - 1``
@@ -273,6 +275,19 @@ class Policy:
                 return Decision("dp", 1, f"adaptive: {why}")
             return Decision("dp", 1, "adaptive: heavy load")
         return Decision("dp", 1, policy)
+
+    def upgrade(self, holder: int) -> Decision:
+        """Where a running DP request goes that outgrows engine ``holder``: it has no
+        max_new_tokens of its own and is within a few tokens of one engine's limit
+        (``flying.session.upgrade``). The smallest degree whose group holds more than
+        one engine, formed around the holder (its aligned group: rule 2, long context,
+        applied mid-request); or DP, where it ends at one engine's limit as in SGLang."""
+        if self.config.policy == "manual":
+            return Decision("dp", 1, "manual: only X-Flying-TP binds groups")
+        for m in self.node.degrees:
+            if self.node.capacity(m) > self.node.engine_capacity and holder < self.node.num_engines // m * m:
+                return Decision("tp", m, "long context")
+        return Decision("dp", 1, f"no TP group holds more than one engine ({self.node.engine_capacity} tokens)")
 
     @staticmethod
     def _describe(req: Request) -> str:

@@ -89,6 +89,12 @@ PATCHES: tuple[Patch, ...] = (
         "contain a failed TP step's output processing",
     ),
     Patch(
+        "sglang.srt.managers.scheduler.Scheduler.init_req_max_new_tokens",
+        "around",
+        "sglang_patches.scheduler:init_req_max_new_tokens",
+        "note requests without a bound of their own: they may outgrow the engine into a group",
+    ),
+    Patch(
         "sglang.srt.managers.scheduler_components.load_inquirer.SchedulerLoadInquirer.get_loads",
         "after",
         "sglang_patches.load_inquirer:get_loads",

@@ -2,8 +2,10 @@
 
 - ``__init__`` (after): a ``BindIssuer`` for the node's TP degrees and the policy; the
   receive socket waits in ``zmq.poll`` when idle instead of spinning a core
-  (``flying.node.idle_wait``); the request dispatcher also shows Flying each ``AbortReq``
-  (placement records of aborted requests are deleted).
+  (``flying.node.idle_wait``) and also binds the address engines send their ``Upgrade``
+  asks to (so asks and requests arrive in one order); the request dispatcher shows
+  Flying each ``AbortReq`` (placement records of aborted requests are deleted) and
+  turns each ``Upgrade`` into binds (``flying.session.upgrade``).
 - ``dispatching_with_trace`` (around): a request marked for TP (explicit header,
   priority, long context: decided in the HTTP process), or one the adaptive policy
   places in TP from the engines' load snapshots, becomes one Bind per group member,
@@ -20,6 +22,7 @@ import logging
 
 from flying.node import controller as flying_controller
 from flying.node.idle_wait import BlockingWhenIdle
+from flying.session.messages import Upgrade, upgrade_endpoint
 
 logger = logging.getLogger(__name__)
 
@@ -28,22 +31,29 @@ def init(result, controller, *args, **kwargs):
     flying_controller.attach(controller)
     sock = getattr(controller, "recv_from_tokenizer", None)  # absent on node_rank > 0
     if sock is not None:
+        if controller._flying_issuer is not None:
+            sock.bind(upgrade_endpoint())
         controller.recv_from_tokenizer = BlockingWhenIdle(sock)
     dispatcher = getattr(controller, "_request_dispatcher", None)
     if dispatcher is not None:
-        controller._request_dispatcher = _SeesAborts(controller, dispatcher)
+        controller._request_dispatcher = _FlyingDispatcher(controller, dispatcher)
 
 
-class _SeesAborts:
-    """SGLang's TypeBasedDispatcher, with a look at each AbortReq first."""
+class _FlyingDispatcher:
+    """SGLang's TypeBasedDispatcher, with a look at each AbortReq first; engines'
+    ``Upgrade`` asks (pickled) are Flying's own and end here."""
 
     def __init__(self, controller, dispatcher):
         self.controller = controller
         self.dispatcher = dispatcher
 
     def __call__(self, obj):
-        from sglang.srt.managers.io_struct import AbortReq
+        from sglang.srt.managers.io_struct import AbortReq, PickleWrapper, unwrap_from_pickle
 
+        if isinstance(obj, (PickleWrapper, Upgrade)):
+            ask = unwrap_from_pickle(obj) if isinstance(obj, PickleWrapper) else obj
+            if isinstance(ask, Upgrade):
+                return _upgrade(self.controller, ask)
         if isinstance(obj, AbortReq):
             try:
                 flying_controller.on_abort(self.controller, obj)
@@ -70,6 +80,15 @@ def dispatching_with_trace(original, controller, req, *args, **kwargs):
         return original(controller, req, *args, **kwargs)
 
 
+def _upgrade(controller, ask: Upgrade) -> None:
+    try:
+        binds = flying_controller.upgrade_binds_for(controller, ask)
+        if binds:
+            _send(controller, binds)
+    except Exception:  # noqa: BLE001 - containment: the request ends in DP
+        logger.exception("flying: upgrading request %s failed; it stays in DP", ask.rid)
+
+
 def _send(controller, binds) -> bool:
     """Send every member its bind, the leader last: if any send fails before the leader
     has its bind, no session can start (the others time out and abort) and the request is
@@ -84,7 +103,7 @@ def _send(controller, binds) -> bool:
         except Exception:  # noqa: BLE001 - containment
             logger.exception(
                 "flying: sending bind %s to engine %d failed; dispatching request %s in DP",
-                bind.bind_id, rank, bind.req.rid,
+                bind.bind_id, rank, bind.rid,
             )
             return False
     return True

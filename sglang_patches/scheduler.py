@@ -11,6 +11,8 @@ runtime object (``flying.session.engine.FlyingEngine``), which calls the origina
 - ``get_next_batch_to_run`` (around): the step boundary: start a pending bind, and
   choose this step's batch: the group's next TP batch or one DP step between two.
 - ``run_batch`` / ``process_batch_result`` (around): contain a TP step's failure.
+- ``init_req_max_new_tokens`` (around): note a request that came without a bound of
+  its own (it may outgrow the engine into a group: ``flying.session.upgrade``).
 """
 
 from __future__ import annotations
@@ -49,3 +51,12 @@ def process_batch_result(original, scheduler, batch, result, *args, **kwargs):
     if engine is None or args or kwargs:
         return original(scheduler, batch, result, *args, **kwargs)
     return engine.process_batch_result(scheduler, original, batch, result)
+
+
+def init_req_max_new_tokens(original, scheduler, req, *args, **kwargs):
+    unbounded = req.sampling_params.max_new_tokens is None
+    result = original(scheduler, req, *args, **kwargs)
+    engine = get_engine()
+    if engine is not None and unbounded and engine.in_dp_state:
+        engine.watch.note(scheduler, req, unbounded)
+    return result

@@ -81,3 +81,23 @@ def until(cond, what: str, timeout: float = 120) -> None:
     while not cond():
         assert time.monotonic() < deadline, what
         time.sleep(0.05)
+
+
+def stream_ids(server, payload: dict, headers: dict | None = None) -> tuple[list[int], dict, int]:
+    """POST a streamed ``/generate`` ``payload``: (its output ids, the last chunk's
+    meta_info, the number of chunks); asserts 200."""
+    out: list[int] = []
+    meta: dict = {}
+    chunks = 0
+    with requests.post(server.url + "/generate", json=payload, headers=headers or {},
+                       stream=True, timeout=900) as r:
+        assert r.status_code == 200, r.text
+        for line in r.iter_lines():
+            if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
+                continue
+            doc = json.loads(line[5:])
+            got = doc["output_ids"]
+            # cumulative chunks (SGLang's default) or increments: both end as one list
+            out = got if out == got[: len(out)] and len(got) >= len(out) else out + got
+            meta, chunks = doc["meta_info"], chunks + 1
+    return out, meta, chunks

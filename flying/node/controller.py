@@ -21,8 +21,8 @@ import uuid
 
 from flying.node import costs_reader, placement_log
 from flying.node.config import get_config
-from flying.session.messages import Bind, read_mark
-from flying.substrate.layout import Group, groups_of
+from flying.session.messages import Bind, Upgrade, read_mark
+from flying.substrate.layout import Group, group_containing, groups_of
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +55,15 @@ class BindIssuer:
             issued_at=time.time(),
             reason=reason,
         )
+        self.issued += 1
+        return [(rank, bind) for rank in group.ranks]
+
+
+    def upgrade_binds(self, ask: Upgrade, degree: int) -> list[tuple[int, Bind]]:
+        """(engine rank, Bind) for every member of the aligned group around the engine
+        holding the request that asked (``flying.session.upgrade``)."""
+        group = group_containing(degree, ask.holder)
+        bind = Bind(uuid.uuid4().hex[:12], degree, group.ranks, None, time.time(), "long", ask)
         self.issued += 1
         return [(rank, bind) for rank in group.ranks]
 
@@ -130,6 +139,20 @@ def binds_for(controller, req) -> list[tuple[int, Bind]]:
         degree = _adaptive_degree(controller, req)  # the group's leader reports it
         reason = "policy"
     return issuer.make_binds(req, degree, group, reason) if degree else []
+
+
+def upgrade_binds_for(controller, ask: Upgrade) -> list[tuple[int, Bind]]:
+    """The binds for an engine's ask to take a running request into a group, or []
+    (the request ends at its engine's limit, as in plain SGLang)."""
+    issuer = getattr(controller, "_flying_issuer", None)
+    policy = _policy(controller)
+    if issuer is None or policy is None or not _groups_open(controller):
+        return []
+    decision = policy.upgrade(ask.holder)
+    if decision.mode != "tp":
+        logger.info("flying: request %s stays on engine %d: %s", ask.rid, ask.holder, decision.reason)
+        return []
+    return issuer.upgrade_binds(ask, decision.degree)
 
 
 def _priority_group(controller, req, degree: int, bound: int) -> Group | None:

@@ -26,9 +26,15 @@ def attach(scheduler) -> None:
     prefix = address.replace(":", "_")
     pool = CommPool.create(address, dp_rank, num_engines, degrees, prefix=prefix)
     dp_limit = min(int(scheduler.max_req_len), int(scheduler.model_config.context_len))
+    # A request without a bound of its own may outgrow this engine into a group only
+    # where the engine's KV pool, not the model's context, is what bounds it.
+    upgrades = (
+        cfg.policy != "manual" and cfg.move_to_dp != "off"
+        and dp_limit < int(scheduler.model_config.context_len) - 1
+    )
     engine = FlyingEngine(
         dp_rank, pool, cfg.bind_timeout_s, cfg.preempt, dp_limit=dp_limit,
-        move_to_dp=cfg.move_to_dp,
+        move_to_dp=cfg.move_to_dp, upgrades=upgrades,
     )
     engine.prepare(scheduler)  # every degree's views, KV view and backend, now
     set_engine(engine)

@@ -67,10 +67,11 @@ def bind_key(bind: Bind) -> int:
 
 
 def candidates(pending: deque[Bind], session_bind: Bind) -> list[int]:
-    """Ids of the pending binds at the head of the queue for the session's own group."""
+    """Ids of the pending binds at the head of the queue for the session's own group (an
+    upgrade bind is not a new request: it forms its own session, in order)."""
     out = []
     for b in pending:
-        if b.ranks != session_bind.ranks or b.degree != session_bind.degree:
+        if b.ranks != session_bind.ranks or b.degree != session_bind.degree or b.upgrade:
             break
         out.append(bind_key(b))
         if len(out) == MAX_PER_STEP:

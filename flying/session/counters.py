@@ -50,4 +50,8 @@ class EngineCounters:
     #: running DP requests that joined a forming group with their KV (on the leader)
     moved_to_tp: int = 0
     moved_tokens_to_tp: int = 0
+    #: of those, requests without a bound of their own that outgrew their engine
+    #: (long-context upgrade, counted on the engine they left), and this engine's asks
+    upgraded: int = 0
+    upgrade_asks: int = 0
     join_ms_sum: float = 0.0

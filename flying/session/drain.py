@@ -24,9 +24,9 @@ class Drain:
         for the others (it has nothing else to run: new DP work is held back while
         draining), so a wait never blocks an engine for long. The drain keys are deleted
         by the bind's rendezvous."""
-        if self.preempt != "soft" or self.pool is None:
-            return False
         bind = self.pending[0]
+        if self.preempt != "soft" or self.pool is None or bind.upgrade is not None:
+            return False  # an upgrade's request is one of the running DP requests
         self.draining = True
         if not nothing_running(scheduler):
             return True

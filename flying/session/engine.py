@@ -35,7 +35,7 @@ import logging
 import time
 from collections import deque
 
-from flying.session import move, status, tp_scope
+from flying.session import move, status, tp_scope, upgrade
 from flying.session.aborts import AbortBook
 from flying.session.counters import EngineCounters
 from flying.session.drain import Drain, nothing_running
@@ -60,7 +60,7 @@ STATUS_EVERY_S = 0.1
 class FlyingEngine(Lifecycle, Drain):
     def __init__(
         self, dp_rank: int, pool: CommPool | None, bind_timeout_s: float, preempt: str = "hard",
-        dp_limit: int = 0, move_to_dp: str = "policy",
+        dp_limit: int = 0, move_to_dp: str = "policy", upgrades: bool = False,
     ):
         self.dp_rank = dp_rank
         self.pool = pool
@@ -80,6 +80,9 @@ class FlyingEngine(Lifecycle, Drain):
         #: SGLang at the next input boundary, ahead of what arrives then.
         self.deferred: list = []
         self.counters = EngineCounters()
+        #: requests without a bound of their own, which ask for a group as they outgrow
+        #: this engine (``upgrades``: a group may hold more than this engine)
+        self.watch = upgrade.Watch(dp_rank, upgrades, self.counters)
         self.clock = StepClock()  # measured decode step costs per degree
         self.session: GroupSession | None = None
         #: degree -> the objects a group of that degree needs, built at start-up
@@ -93,6 +96,12 @@ class FlyingEngine(Lifecycle, Drain):
     @property
     def mode(self) -> Mode:
         return self.session.mode if self.session is not None else DP
+
+    @property
+    def in_dp_state(self) -> bool:
+        """SGLang's scheduler holds this engine's DP state (not a session's TP state)."""
+        s = self.session
+        return s is None or not s.scope.entered
 
     def prepare(self, scheduler) -> None:
         """Build every degree's views, pools and backend now (start-up), so a bind swaps."""
@@ -146,6 +155,7 @@ class FlyingEngine(Lifecycle, Drain):
         """SGLang's ``get_next_batch_to_run`` for this step (the engine is in DP state);
         the interval to the next boundary is this step's measured cost."""
         started = self.clock.boundary()
+        self.watch.check(scheduler)
         plan = self._next_batch(scheduler, original)
         s = self.session
         if s is not None and s.scope.entered:

@@ -56,10 +56,16 @@ class Joining:
     shard: torch.Tensor | None  # this member's heads: [layers, 2, sum(lens), H_kv/m, d]
     reservations: list = field(default_factory=list)
     t_agreed: float = 0.0  # perf_counter when the members agreed on the joining requests
-    #: the leader's copy of every head (``[layers, 2, sum(lens), H_kv, d]``): what a
+    #: the source's copy of every head (``[layers, 2, sum(lens), H_kv, d]``): what a
     #: failed join puts back into DP; None on the other members
     full: torch.Tensor | None = None
     grown: bool = False  # the reservations belong to the session's scope
+    #: this member held the requests in DP (the leader; an upgrade's holder): ``reqs``
+    #: are the originals, and a failed join puts them back into its DP batch
+    source: bool = False
+    #: the requests' max_new_tokens in DP, restored if they go back there (an upgrade
+    #: lifts it for the group); None: unchanged
+    dp_bounds: list[int] | None = None
 
 
 def eligible(req, seq_len: int) -> bool:
@@ -131,21 +137,31 @@ def gather(engine, scheduler, bind, member, is_leader: bool, faults=None) -> Joi
     t_agreed = time.perf_counter()
     lens = lens[:k]
     block, payload = (_take_out(scheduler, picked[:k]) if is_leader else (None, b""))
-    joining = Joining(picked[:k], lens, None, reservations[:k], t_agreed, block)
+    joining = Joining(picked[:k], lens, None, reservations[:k], t_agreed, block, source=is_leader)
+    carry(member, scheduler, joining, payload, degree, 0, faults)
+    return joining
+
+
+def carry(member, scheduler, joining: Joining, payload: bytes, degree: int, src: int,
+          faults=None) -> None:
+    """Every member, DP state, once the members agreed and reserved: the source (TP rank
+    ``src``, holding ``joining.full`` and the pickled requests ``payload``) sends each
+    member its head shard and the requests' state; ``joining`` gets this member's shard
+    and, off the source, the copies. On failure the reservations are given back and the
+    source's requests go on in DP (then the exception propagates)."""
     try:
         if faults is not None:
             faults.check("join")
-        payload = _broadcast_bytes(member, payload)
-        joining.shard = _scatter(member, block, scheduler, sum(lens), degree)
-        if not is_leader:
+        payload = _broadcast_bytes(member, payload, src)
+        joining.shard = _scatter(member, joining.full, scheduler, sum(joining.lens), degree, src)
+        if not joining.source:
             joining.reqs = _copies(scheduler, payload)
     except BaseException:
         for res in joining.reservations:
             kv_adaptor.release(scheduler.token_to_kv_pool_allocator, res)
-        if is_leader:  # they left the DP batch: they go on there
+        if joining.source:  # they left the DP batch: they go on there
             restore(scheduler, joining)
         raise
-    return joining
 
 
 def abort(scheduler, reqs: list, message: str) -> None:
@@ -175,22 +191,24 @@ def land(scheduler, scope, joining: Joining) -> None:
     _place(scheduler, scope.prepared.tp_pool, joining.reqs, joining.lens, joining.shard, slots)
 
 
-def recover(scheduler, joining: Joining, is_leader: bool) -> None:
+def recover(scheduler, joining: Joining) -> None:
     """After a session that was taking ``joining`` failed before the requests reached
     its batch (DP state again): give back reservations the scope does not own, and on
-    the leader let the requests go on in DP."""
+    the source let the requests go on in DP."""
     if not joining.grown:
         for res in joining.reservations:
             kv_adaptor.release(scheduler.token_to_kv_pool_allocator, res)
-    if is_leader:
+    if joining.source:
         restore(scheduler, joining)
 
 
 def restore(scheduler, joining: Joining) -> None:
-    """Leader, DP state: requests taken out of DP for a join that failed go on in DP
-    (their KV rewritten from the copy the leader kept); an explicit error if even that
-    fails. Returns nothing: either way every request is answered."""
+    """Source, DP state: requests taken out of DP for a join that failed go on in DP
+    (their KV rewritten from the copy the source kept, their DP bound back); an explicit
+    error if even that fails. Returns nothing: either way every request is answered."""
     reqs = joining.reqs
+    for req, bound in zip(reqs, joining.dp_bounds or (), strict=False):
+        req.sampling_params.max_new_tokens = bound
     try:
         for req in reqs:
             if req.kv.holds_kv:
@@ -295,27 +313,29 @@ def _copies(scheduler, payload: bytes) -> list:
     return reqs
 
 
-def _broadcast_bytes(member, data: bytes) -> bytes:
-    """The leader's ``data`` on every member (its length first, then the bytes)."""
-    (size,), _ = member.share_ints([len(data)], 1)
+def _broadcast_bytes(member, data: bytes, src: int = 0) -> bytes:
+    """TP rank ``src``'s ``data`` on every member (its length first, then the bytes)."""
+    size = member.gather_ints([len(data)])[src][0]
     buf = torch.zeros(size, dtype=torch.uint8)
     if data:
         buf[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    return kv_relayout.exchange(member, buf)[0].numpy().tobytes()
+    return kv_relayout.exchange(member, buf)[src].numpy().tobytes()
 
 
-def _scatter(member, block, scheduler, tokens: int, degree: int) -> torch.Tensor:
-    """This member's head shard of the leader's full block ``[layers, 2, tokens, H_kv, d]``
-    (``block`` is None off the leader). The leader (TP rank 0) keeps its own heads and
-    sends the others' in one exchange; the other members send zeros of that shape."""
-    if member.tp_rank == 0:
-        others = block[:, :, :, block.shape[3] // degree :].contiguous()
-        kv_relayout.exchange(member, others)
-        return kv_relayout.shard_of(block, 0, degree)
+def _scatter(member, block, scheduler, tokens: int, degree: int, src: int = 0) -> torch.Tensor:
+    """This member's head shard of the source's full block ``[layers, 2, tokens, H_kv, d]``
+    (``block`` is None off the source, TP rank ``src``). The source keeps its own heads
+    and sends the others' (every head but its own, in TP-rank order) in one exchange;
+    the other members send zeros of that shape."""
+    if member.tp_rank == src:
+        h = block.shape[3] // degree
+        others = torch.cat([block[:, :, :, : src * h], block[:, :, :, (src + 1) * h :]], dim=3)
+        kv_relayout.exchange(member, others.contiguous())
+        return kv_relayout.shard_of(block, src, degree)
     pool = scheduler.tp_worker.model_runner.token_to_kv_pool  # the DP pool (DP state)
     heads, dim = pool.k_buffer[0].shape[1:]
     h = heads // degree
     shape = (len(pool.k_buffer), 2, tokens, heads - h, dim)
-    others = kv_relayout.exchange(member, torch.zeros(shape, dtype=pool.k_buffer[0].dtype))[0]
-    r = member.tp_rank - 1
+    others = kv_relayout.exchange(member, torch.zeros(shape, dtype=pool.k_buffer[0].dtype))[src]
+    r = member.tp_rank if member.tp_rank < src else member.tp_rank - 1
     return others[:, :, :, r * h : (r + 1) * h].contiguous()

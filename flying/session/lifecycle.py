@@ -9,7 +9,17 @@ from __future__ import annotations
 import logging
 import time
 
-from flying.session import aborts, admission, containment, exchange, join, move, report, tp_scope
+from flying.session import (
+    aborts,
+    admission,
+    containment,
+    exchange,
+    join,
+    move,
+    report,
+    tp_scope,
+    upgrade,
+)
 from flying.session.drain import drain_keys
 from flying.session.drain import scheduler_form as _form
 from flying.session.group import GroupSession, State
@@ -31,13 +41,14 @@ class Lifecycle:
         self.faults.refresh()
         try:
             self.faults.check("bind")
-            if self.aborts.hits(bind.req.rid):
+            if self.aborts.hits(bind.rid):
                 return None, "request aborted by the client"
             if bind.degree not in self.prepared:
                 return None, f"engine {self.dp_rank} has no TP-{bind.degree} views"
-            reservation = tp_scope.reserve_for(
-                scheduler, admission.tokens_needed(bind, self.dp_limit), bind.degree
-            )
+            # An upgrade's request reserves what it joins with (``upgrade.gather``);
+            # the session itself starts from one slot per member.
+            tokens = bind.degree if bind.upgrade else admission.tokens_needed(bind, self.dp_limit)
+            reservation = tp_scope.reserve_for(scheduler, tokens, bind.degree)
         except Exception as exc:  # noqa: BLE001 - any failure is this member's "no"
             logger.exception("flying: engine %d cannot join bind %s", self.dp_rank, bind.bind_id)
             return None, f"engine {self.dp_rank} failed to prepare: {exc}"
@@ -58,7 +69,9 @@ class Lifecycle:
             tp_scope.release(scheduler, reservation)
             self.counters.aborted_binds += 1
             logger.warning("flying: bind %s aborted: %s", bind.bind_id, verdict.reason)
-            if is_leader and self.aborts.hits(bind.req.rid):
+            if bind.upgrade is not None:
+                pass  # the request goes on in DP where it runs
+            elif is_leader and self.aborts.hits(bind.req.rid):
                 tp_scope.reject(scheduler, bind.req, "request aborted by the client")
             elif is_leader:  # the group could not form: serve the request in DP instead
                 self.counters.rerun_in_dp += 1
@@ -72,16 +85,22 @@ class Lifecycle:
         )
         s = GroupSession(bind, member, scope, is_leader, t_bind=t0, t_rendezvous=t_rdv)
         self.session = s
-        scope.tokenized[bind.req.rid] = bind.req  # containment re-runs it if all fails
+        if bind.upgrade is None:
+            scope.tokenized[bind.req.rid] = bind.req  # containment re-runs it if all fails
         joining, landed = None, False
         try:
-            joining = join.gather(self, scheduler, bind, member, is_leader, self.faults)
+            if bind.upgrade is not None:
+                joining = upgrade.gather(self, scheduler, bind, member, self.faults)
+            else:
+                joining = join.gather(self, scheduler, bind, member, is_leader, self.faults)
             self.counters.preempted_dp_requests += len(scheduler.running_batch.reqs)
             scope.enter()
             s.to(State.RUNNING)
             self.faults.check("scope")
             s.t_ready = time.perf_counter()  # switched: the rest is SGLang taking the request
-            scope.hand(scheduler, bind.req, bind.reason)
+            if bind.upgrade is None:
+                scope.hand(scheduler, bind.req, bind.reason)
+            scope.reasons.add(bind.reason)
             if joining is not None:
                 join.land(scheduler, scope, joining)
                 landed = True
@@ -90,7 +109,7 @@ class Lifecycle:
             self._failed(s, exc)
             self._contain(scheduler, s, exc)
             if joining is not None and not landed:
-                join.recover(scheduler, joining, is_leader)
+                join.recover(scheduler, joining)
             return None
         logger.info(
             "flying: engine %d -> TP-%d group %s (bind %s)",
@@ -137,7 +156,7 @@ class Lifecycle:
             held and self.move_to_dp != "off" and s.tp_steps >= s.move_retry_at
         )
         if wants_move and move.ready(scheduler):
-            moved = move.to_dp(scheduler, s, self.faults)
+            moved = move.to_dp(scheduler, s, self.dp_limit, self.faults)
             if moved is not None:
                 self._moved(scheduler, s, moved)
                 return None
@@ -204,11 +223,15 @@ class Lifecycle:
         self._end(scheduler, s, [])
 
     def _joined(self, s: GroupSession, joining: join.Joining, ms: float) -> None:
-        """The leader's running DP requests joined the forming session."""
+        """Running DP requests (the leader's, or an upgrade's) joined the forming session."""
         self.counters.join_ms_sum += ms
-        if s.is_leader:
+        if joining.source:
             self.counters.moved_to_tp += len(joining.reqs)
             self.counters.moved_tokens_to_tp += sum(joining.lens)
+            self.counters.upgraded += len(joining.reqs) if s.bind.upgrade else 0
+        if s.bind.upgrade is not None:
+            for req in joining.reqs:  # the leader's copy answers from here on
+                report.moved(req, s.bind.degree, upgrade.UPGRADED_REASON)
         logger.info(
             "flying: engine %d: %d running DP request(s) joined bind %s (%d tokens of KV, %.2f ms)",
             self.dp_rank, len(joining.reqs), s.bind.bind_id, sum(joining.lens), ms,

@@ -14,14 +14,18 @@ secret (one that entered some other way) is dropped, never obeyed. ``read_mark``
 raises: whatever the routing key holds, the answer is a ``Marker``.
 
 ``Bind`` goes from the controller to every member of a group, in the controller's one
-total order; it is pickled by SGLang's IPC (not a msgspec type).
+total order; it is pickled by SGLang's IPC (not a msgspec type). ``Upgrade`` goes the
+other way: an engine asks the controller to bind a group around one of its running DP
+requests (``flying.session.upgrade``), so that bind too takes its place in that order.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import os
 import secrets
+import tempfile
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +62,14 @@ def mark(routing_key: str | None, degree: int, reason: str = "explicit") -> str:
         raise ValueError(f"TP degree {degree} cannot be marked")
     head = f"{PREFIX}{secret()}:tp={degree}:{reason}"
     return head + (f";{routing_key}" if routing_key else "")
+
+
+def upgrade_endpoint() -> str:
+    """Where engines send ``Upgrade`` asks: an IPC address the DP controller's input
+    socket binds besides SGLang's own, one per launch (named after this launch's secret,
+    which every process of the launch shares)."""
+    digest = hashlib.sha256(secret().encode()).hexdigest()[:16]
+    return f"ipc://{tempfile.gettempdir()}/flying-{digest}-upgrade"
 
 
 @dataclass(frozen=True)
@@ -117,9 +129,23 @@ def check_routing_key(value: Any, source: str) -> None:
         raise ValueError(f"invalid {source} {value[:40]!r}: the prefix {PREFIX!r} is reserved")
 
 
+@dataclass(frozen=True)
+class Upgrade:
+    """An engine's running DP request outgrows the engine: it asks for a group.
+
+    ``rid`` runs on engine ``holder``; the request has no max_new_tokens of its own and
+    is within a few tokens of the engine's length limit (``flying.session.upgrade``)."""
+
+    rid: str
+    holder: int  # the engine's dp_rank
+    asked_at: float  # the engine's time.time()
+
+
 @dataclass
 class Bind:
-    """Run ``req`` as one TP session on the group ``ranks`` (leader = ranks[0])."""
+    """Run ``req`` as one TP session on the group ``ranks`` (leader = ranks[0]); or,
+    for an ``upgrade`` bind (``req`` None), bind the group around that running DP
+    request, which joins it with its KV (``flying.session.upgrade``)."""
 
     bind_id: str
     degree: int
@@ -130,3 +156,9 @@ class Bind:
     #: policy's light-load rule, whose groups hand their requests to DP when DP work
     #: arrives; the others keep them, unless --flying-move-to-dp all)
     reason: str = "explicit"
+    upgrade: Upgrade | None = None
+
+    @property
+    def rid(self) -> str:
+        """The request this bind is for."""
+        return self.upgrade.rid if self.upgrade is not None else self.req.rid

@@ -105,11 +105,12 @@ def assign(lens: list[int], rooms: list[int], loads: list[int]) -> list[int] | N
     return owners
 
 
-def to_dp(scheduler, s, faults=None) -> Moved | None:
+def to_dp(scheduler, s, dp_limit: int, faults=None) -> Moved | None:
     """Move the session's running requests into DP on its members (every member calls
     this at the same boundary, in the session's TP state), spread by ``assign``.
     Returns None, back in the TP state with nothing changed, if some request fits on no
-    member; otherwise the session's scope is left and its requests are gone from it
+    member, or may grow beyond one engine's limit (``dp_limit``: prompt + max_new_tokens,
+    as SGLang admits a DP request; a long-context request stays in its group); otherwise the session's scope is left and its requests are gone from it
     (the caller releases the session). A member that takes a request the leader was
     answering answers it from here on: its copy of the request has run every step in
     lockstep (same tokens, same stream offsets), and its output now goes to SGLang's
@@ -119,6 +120,8 @@ def to_dp(scheduler, s, faults=None) -> Moved | None:
     reqs = list(batch.reqs)
     lens = [kv_len(r) for r in reqs]
     if not reqs or any(r.kv.kv_allocated_len != n for r, n in zip(reqs, lens, strict=True)):
+        return None
+    if any(len(r.origin_input_ids) + r.sampling_params.max_new_tokens > dp_limit for r in reqs):
         return None
     table = scheduler.req_to_token_pool.req_to_token
     tp_slots = torch.cat([table[r.kv.req_pool_idx, :n] for r, n in zip(reqs, lens, strict=True)])
@@ -195,8 +198,7 @@ def _reserved(scope) -> int:
 def _room(scheduler, scope) -> int:
     """DP slots the leader could give the moved requests (free, evictable in its
     prefix cache, and the session's own reservations, returned before the move)."""
-    evictable = int(getattr(scheduler.tree_cache, "evictable_size", lambda: 0)())
-    return scheduler.token_to_kv_pool_allocator.available_size() + evictable + _reserved(scope)
+    return tp_scope.dp_room(scheduler) + _reserved(scope)
 
 
 def _land(scheduler, scope, batch, reqs, lens, shards: list[torch.Tensor],

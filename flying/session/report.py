@@ -24,8 +24,10 @@ def mark(scheduler, rid: str, degree: int, reason: str = "") -> None:
 
 
 def moved(req, degree: int, reason: str) -> None:
-    """Report that ``req`` (a Req) left its TP-``degree`` group for DP mid-request. A
-    stream's report goes out with its first chunk, so only answers sent after the move
-    (non-streamed ones) carry this."""
+    """Report that ``req`` (a Req) changed layout mid-request: left its TP-``degree``
+    group for DP, or joined one (a long-context upgrade). A stream's report goes out
+    with its first chunk, so only answers sent after the move (non-streamed ones) carry
+    this."""
     info = {"degree": degree, "reason": reason}
     req.customized_info = {**(req.customized_info or {}), REPORT_KEY: [info]}
+

@@ -60,6 +60,13 @@ def _make_room(scheduler, slots: int) -> None:
         scheduler.tree_cache.evict(EvictParams(num_tokens=short))
 
 
+def dp_room(scheduler) -> int:
+    """DP slots this engine could give now (DP state): free, and evictable from its
+    prefix cache."""
+    evictable = int(getattr(scheduler.tree_cache, "evictable_size", lambda: 0)())
+    return scheduler.token_to_kv_pool_allocator.available_size() + evictable
+
+
 def take_dp_slots(scheduler, tokens: int) -> torch.Tensor:
     """``tokens`` DP slots from the engine's allocator (DP state), evicting cached DP
     prefixes if needed; raises if the engine has not that many."""

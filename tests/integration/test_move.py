@@ -22,7 +22,16 @@ import time
 import pytest
 
 from tests.conftest import demo_server
-from tests.node import engine_counter, greedy, greedy_on, status, total, until, wait_idle
+from tests.node import (
+    engine_counter,
+    greedy,
+    greedy_on,
+    status,
+    stream_ids,
+    total,
+    until,
+    wait_idle,
+)
 from tests.reference import greedy_tokens, prompts
 
 pytestmark = pytest.mark.integration
@@ -108,27 +117,9 @@ def test_a_running_group_request_moves_to_dp_when_dp_work_arrives(move_server, d
 
 def _stream_ids(server, ids: list[int], n: int, headers: dict) -> tuple[list[int], dict, int]:
     """A streamed greedy /generate: (its output ids, the last chunk's meta_info, chunks)."""
-    import json
-
-    import requests
-
-    payload = {**{"input_ids": ids, "stream": True},
+    payload = {"input_ids": ids, "stream": True,
                "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}
-    out: list[int] = []
-    meta: dict = {}
-    chunks = 0
-    with requests.post(server.url + "/generate", json=payload, headers=headers, stream=True,
-                       timeout=600) as r:
-        assert r.status_code == 200, r.text
-        for line in r.iter_lines():
-            if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
-                continue
-            doc = json.loads(line[5:])
-            got = doc["output_ids"]
-            # cumulative chunks (SGLang's default) or increments: both end as one list
-            out = got if out == got[: len(out)] and len(got) >= len(out) else out + got
-            meta, chunks = doc["meta_info"], chunks + 1
-    return out, meta, chunks
+    return stream_ids(server, payload, headers)
 
 
 def test_a_moved_request_goes_on_streaming_from_the_less_loaded_member(move_server, demo_model_dir):

@@ -569,9 +569,49 @@ def test_dispatcher_sees_aborts(cfg):
     placement_log.record(ctl._flying_store, "gone-1", 2)
     ctl._flying_recorded.add("gone-1")
     seen = []
-    wrapped = hook._SeesAborts(ctl, seen.append)
+    wrapped = hook._FlyingDispatcher(ctl, seen.append)
     wrapped(AbortReq(rid="gone-1"))
     assert not [k for k in ctl._flying_store.data if k.startswith("flying/placed/")] and len(seen) == 1
+
+
+@pytest.mark.parametrize("holder", [0, 1])
+def test_an_engines_upgrade_ask_becomes_binds_for_its_group(cfg, monkeypatch, holder):
+    """An engine's Upgrade (pickled, as engines send it) never reaches SGLang's
+    dispatcher: it becomes one bind per member of the holder's group, leader last."""
+    from sglang.srt.managers import io_struct
+    from sglang.srt.managers.io_struct import PickleWrapper, unwrap_from_pickle, wrap_as_pickle
+
+    from sglang_patches import data_parallel_controller as hook
+
+    ctl = FakeController()
+    sent: list = []
+    monkeypatch.setattr(io_struct, "sock_send", lambda sock, obj: sent.append((sock, obj)))
+    seen: list = []
+    ask = messages.Upgrade("long-1", holder, 0.0)
+    hook._FlyingDispatcher(ctl, seen.append)(wrap_as_pickle(ask))
+    assert seen == [] and [sock for sock, _ in sent] == ["sock1", "sock0"]
+    binds = [unwrap_from_pickle(obj) if isinstance(obj, PickleWrapper) else obj for _, obj in sent]
+    assert {b.bind_id for b in binds} == {binds[0].bind_id}
+    bind = binds[0]
+    assert bind.req is None and bind.upgrade == ask and bind.rid == "long-1"
+    assert bind.ranks == (0, 1) and bind.degree == 2 and bind.reason == "long"
+
+
+def test_no_upgrade_under_the_manual_policy_or_before_the_probe(cfg, monkeypatch):
+    from sglang_patches import data_parallel_controller as hook
+
+    ask = messages.Upgrade("long-2", 1, 0.0)
+    ctl = FakeController()
+    assert flying_controller.upgrade_binds_for(ctl, ask) != []
+    monkeypatch.setattr(flying_controller, "_groups_open", lambda ctl: False)
+    assert flying_controller.upgrade_binds_for(ctl, ask) == []  # the probe has not passed
+    monkeypatch.setattr(flying_controller, "_groups_open", lambda ctl: True)
+    cfg(policy="manual")
+    ctl = FakeController()
+    assert flying_controller.upgrade_binds_for(ctl, ask) == []
+    seen: list = []
+    hook._FlyingDispatcher(ctl, seen.append)(ask)  # not sent on, not dispatched
+    assert seen == []
 
 
 # -- HTTP surface ------------------------------------------------------------------------

@@ -1,0 +1,99 @@
+"""Long-context upgrade: a running DP request that outgrows its engine joins a group.
+
+Each engine's KV pool here is far shorter than the demo model's context (``SLOTS`` of
+8192), so a request without max_new_tokens of its own would end, in plain SGLang, at
+one engine's limit (``max_req_len - prompt - 1``). Near that limit it asks the
+controller for a group; the TP-2 group around its engine takes it with its KV (no
+prompt prefilled again) and it goes on to the group's pooled limit: more tokens than one
+engine's whole pool holds, every one equal to transformers' greedy continuation. From
+engine 1 (not the group's leader) its KV comes from engine 1 and the leader streams the
+rest. KV slots and request rows return to their initial counts.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import demo_server
+from tests.node import engine_counter, stream_ids, wait_idle
+from tests.reference import greedy_tokens, prompts
+
+pytestmark = pytest.mark.integration
+
+SLOTS = 400  # KV slots per engine: a 40-token prompt outgrows one engine after ~360 tokens
+
+
+@pytest.fixture(scope="module")
+def upgrade_server(demo_model_dir, tmp_path_factory):
+    yield from demo_server(
+        demo_model_dir, tmp_path_factory.mktemp("upgrade") / "server.log",
+        "--max-total-tokens", str(SLOTS),
+    )
+
+
+def _unbounded(ids: list[int], rank: int, stream: bool = False) -> dict:
+    """A greedy /generate without a bound of its own, on engine ``rank``."""
+    return {
+        "input_ids": ids, "routed_dp_rank": rank, "stream": stream,
+        "sampling_params": {"max_new_tokens": None, "temperature": 0, "ignore_eos": True},
+    }
+
+
+def _deltas(after: dict, before: dict, key: str) -> list[int]:
+    return [a - b for a, b in zip(engine_counter(after, key), engine_counter(before, key), strict=True)]
+
+
+def _settled(server, before: dict) -> dict:
+    after = wait_idle(server)
+    for key in ("free_kv_slots", "free_req_rows"):
+        assert engine_counter(after, key) == engine_counter(before, key)
+    return after
+
+
+def test_a_request_without_a_bound_outgrows_its_engine_into_a_group(upgrade_server, demo_model_dir):
+    before = wait_idle(upgrade_server)
+    slots = engine_counter(before, "total_kv_slots")[0]
+    (prompt,) = prompts(1, 40, seed=131)
+    r = upgrade_server.post("/generate", _unbounded(prompt, 0), timeout=900)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    ids = out["output_ids"]
+    after = _settled(upgrade_server, before)
+    assert len(prompt) + len(ids) > slots, (len(ids), slots)  # more than one engine holds
+    assert out["meta_info"]["finish_reason"]["type"] == "length"
+    assert out["meta_info"]["flying"]["mode"] == "tp", out["meta_info"]["flying"]
+    assert ids == greedy_tokens(demo_model_dir, prompt, len(ids))
+    assert _deltas(after, before, "upgraded") == [1, 0]
+    assert sum(_deltas(after, before, "prefill_tokens")) == len(prompt)  # prefilled once
+
+
+def test_an_upgraded_stream_goes_on_from_the_groups_leader(upgrade_server, demo_model_dir):
+    """The request runs on engine 1; the group [0, 1] takes its KV from engine 1 and
+    the leader (engine 0) answers the rest of the stream: every token, once."""
+    before = wait_idle(upgrade_server)
+    slots = engine_counter(before, "total_kv_slots")[0]
+    (prompt,) = prompts(1, 48, seed=137)
+    ids, meta, chunks = stream_ids(upgrade_server, _unbounded(prompt, 1, stream=True))
+    after = _settled(upgrade_server, before)
+    assert chunks > 1
+    assert len(prompt) + len(ids) > slots, (len(ids), slots)
+    assert meta["finish_reason"]["type"] == "length"
+    assert ids == greedy_tokens(demo_model_dir, prompt, len(ids))
+    assert _deltas(after, before, "upgraded") == [0, 1]
+    assert sum(_deltas(after, before, "prefill_tokens")) == len(prompt)
+
+
+def test_a_bounded_request_ends_at_its_bound_in_dp(upgrade_server, demo_model_dir):
+    """A request with max_new_tokens of its own never asks for a group: it runs in DP
+    and SGLang bounds it by the engine, as without Flying."""
+    before = wait_idle(upgrade_server)
+    slots = engine_counter(before, "total_kv_slots")[0]
+    (prompt,) = prompts(1, 40, seed=139)
+    payload = _unbounded(prompt, 0)
+    payload["sampling_params"]["max_new_tokens"] = slots - len(prompt) - 8
+    r = upgrade_server.post("/generate", payload, timeout=900)
+    assert r.status_code == 200, r.text
+    after = _settled(upgrade_server, before)
+    assert len(r.json()["output_ids"]) == slots - len(prompt) - 8
+    assert _deltas(after, before, "upgrade_asks") == [0, 0]
+    assert _deltas(after, before, "binds") == [0, 0]

@@ -1,0 +1,145 @@
+"""Long-context upgrade without a server: who asks, when, where to, how far it may grow,
+and the KV scatter from a member other than the leader."""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from flying.session import join, upgrade
+from flying.session.admission import candidates
+from flying.session.budget import ADMISSION_SLACK
+from flying.session.counters import EngineCounters
+from flying.session.messages import Bind, Upgrade
+from flying.substrate import kv_relayout
+from scheduler.policy import Node, Policy, PolicyConfig
+
+pytestmark = pytest.mark.unit
+
+
+class _Req:
+    """The parts of SGLang's Req a watch reads (weak-referenceable, like a Req)."""
+
+    def __init__(self, rid: str, prompt: int, out: int, bound: int, done: bool = False):
+        self.rid = rid
+        self.origin_input_ids = [1] * prompt
+        self.output_ids = [2] * out
+        self.sampling_params = SimpleNamespace(max_new_tokens=bound)
+        self.kv = SimpleNamespace(kv_allocated_len=prompt + out - 1)
+        self.grammar = None
+        self._done = done
+
+    def finished(self) -> bool:
+        return self._done
+
+
+def _watch(enabled=True):
+    watch = upgrade.Watch(0, enabled, EngineCounters())
+    asked: list[str] = []
+    watch._ask = asked.append
+    return watch, asked
+
+
+def _scheduler(*reqs, limit=None):
+    return SimpleNamespace(running_batch=SimpleNamespace(reqs=list(reqs)), max_new_tokens_limit=limit)
+
+
+def test_a_request_without_a_bound_asks_once_near_its_engines_limit():
+    watch, asked = _watch()
+    far = _Req("far", 40, 10, 300)
+    near = _Req("near", 40, 300 - upgrade.AHEAD, 300)
+    bounded = _Req("bounded", 40, 299, 300)
+    sched = _scheduler(far, near, bounded)
+    watch.note(sched, far, True)
+    watch.note(sched, near, True)
+    watch.note(sched, bounded, False)  # came with max_new_tokens of its own
+    watch.check(sched)
+    watch.check(sched)
+    assert asked == ["near"]
+    far.output_ids = [2] * (300 - upgrade.AHEAD)  # decoded on: within AHEAD now too
+    far.kv.kv_allocated_len = 40 + len(far.output_ids) - 1
+    watch.check(sched)
+    assert asked == ["near", "far"]
+
+
+def test_no_ask_when_groups_cannot_help_an_operator_bound_or_the_request_ended():
+    watch, asked = _watch(enabled=False)
+    req = _Req("r", 40, 299, 300)
+    watch.note(_scheduler(req), req, True)
+    watch.check(_scheduler(req))
+    watch, asked2 = _watch()
+    limited = _scheduler(req, limit=300)  # SGLANG_MAX_NEW_TOKENS_LIMIT
+    watch.note(limited, req, True)
+    watch.check(limited)
+    done = _Req("d", 40, 299, 300, done=True)
+    watch.note(_scheduler(done), done, True)
+    watch.check(_scheduler(done))
+    assert asked == [] and asked2 == []
+
+
+def test_the_policy_upgrades_to_the_smallest_degree_around_the_holder():
+    node = Node(4, (2, 4), engine_capacity=395, engine_slots=400, group_slack=4)
+    policy = Policy(PolicyConfig("static-dp"), node)
+    assert (policy.upgrade(3).mode, policy.upgrade(3).degree) == ("tp", 2)
+    assert Policy(PolicyConfig("manual"), node).upgrade(0).mode == "dp"
+    assert Policy(PolicyConfig(), Node(2, (), 395)).upgrade(0).mode == "dp"
+    capped = Node(2, (2,), engine_capacity=395, engine_slots=400, context_limit=395)
+    assert Policy(PolicyConfig(), capped).upgrade(1).mode == "dp"  # the context bounds it
+
+
+def test_a_group_lets_it_grow_to_what_every_member_can_give():
+    assert upgrade.new_total(400, 2, 400, 8191) == 800 - ADMISSION_SLACK
+    assert upgrade.new_total(250, 2, 400, 8191) == 500 - ADMISSION_SLACK  # a busy member
+    assert upgrade.new_total(900, 2, 400, 8191) == 800 - ADMISSION_SLACK  # no more than a pool
+    assert upgrade.new_total(400, 4, 400, 1000) == 1000  # nor the model's context
+    assert upgrade.new_total(0, 2, 400, 8191) == 0
+
+
+def test_an_upgrade_bind_is_never_admitted_into_a_running_session():
+    ask = Upgrade("long", 1, 0.0)
+    session = Bind("a" * 12, 2, (0, 1), SimpleNamespace(rid="x"), 0.0)
+    up = Bind("b" * 12, 2, (0, 1), None, 0.0, "long", ask)
+    after = Bind("c" * 12, 2, (0, 1), SimpleNamespace(rid="y"), 0.0)
+    assert candidates(deque([up, after]), session) == []
+    assert up.rid == "long" and after.rid == "y"
+
+
+class _AllGather:
+    """``kv_relayout.exchange`` over threads: every member's block, in TP-rank order."""
+
+    def __init__(self, world: int):
+        self.barrier = threading.Barrier(world)
+        self.blocks: list = [None] * world
+
+    def __call__(self, member, block):
+        self.blocks[member.tp_rank] = block.clone()
+        self.barrier.wait()
+        out = list(self.blocks)
+        self.barrier.wait()
+        return out
+
+
+@pytest.mark.parametrize(("degree", "src"), [(2, 0), (2, 1), (4, 2), (4, 3)])
+def test_each_member_gets_its_heads_from_whichever_member_holds_the_request(monkeypatch, degree, src):
+    layers, tokens, heads, dim = 2, 5, 8, 3
+    block = torch.randn(layers, 2, tokens, heads, dim)
+    monkeypatch.setattr(kv_relayout, "exchange", _AllGather(degree))
+    pool = SimpleNamespace(k_buffer=[torch.zeros(16, heads, dim)] * layers)
+    sched = SimpleNamespace(tp_worker=SimpleNamespace(model_runner=SimpleNamespace(token_to_kv_pool=pool)))
+    got: dict[int, torch.Tensor] = {}
+
+    def run(rank: int) -> None:
+        member = SimpleNamespace(tp_rank=rank)
+        got[rank] = join._scatter(member, block if rank == src else None, sched, tokens, degree, src)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(degree)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    for rank in range(degree):
+        assert torch.equal(got[rank], kv_relayout.shard_of(block, rank, degree))
