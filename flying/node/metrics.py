@@ -131,6 +131,7 @@ class FlyingCollector:
                 ("tp_requests", "requests served in TP sessions"),
                 ("moved_to_dp", "running requests a group handed to DP with their KV"),
                 ("moved_tokens", "tokens of KV moved from groups to DP"),
+                ("upgraded", "running DP requests that outgrew their engine into a group"),
             )
         }
         sessions = HistogramMetricFamily(
