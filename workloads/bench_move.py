@@ -10,10 +10,16 @@ One Flying server (``--dp-size 2 --flying-move-to-dp all``). For each context le
   the group and the running request joins it (its KV scattered into both members'
   shards). The leader's ``join_ms_sum`` / ``moved_tokens_to_tp`` deltas give the cost.
 
+- DP -> TP-2 (upgrade), with ``--upgrade-contexts``: a server whose engines hold about
+  that many tokens of KV (``--max-total-tokens``); a request without max_new_tokens
+  runs on engine 1 until it outgrows it and the group [0, 1] takes it with its KV from
+  engine 1 (``flying.session.upgrade``). Same counters as a join.
+
 Each is repeated ``--repeats`` times; the table has the medians. Not a test: the numbers
 depend on the machine.
 
-    python -m workloads.bench_move [--model-path DIR] [--contexts 256,1024,2048] [--out DIR]
+    python -m workloads.bench_move [--model-path DIR] [--contexts 256,1024,2048]
+        [--upgrade-contexts 1024] [--out DIR]
 """
 
 from __future__ import annotations
@@ -31,9 +37,14 @@ from workloads.bench_switch import _prompts, _serve
 TP2 = {"X-Flying-TP": "2"}
 
 
-def _leader(server) -> dict:
+def _engines(server) -> dict[int, dict]:
+    """Every engine's status, by rank."""
     doc = requests.get(server.url + "/flying/status", timeout=30).json()
-    return next(e for e in doc["engines"] if e["rank"] == 0)
+    return {e["rank"]: e for e in doc["engines"]}
+
+
+def _leader(server) -> dict:
+    return _engines(server)[0]
 
 
 def _generate(server, ids: list[int], new: int, headers: dict | None = None, **extra) -> None:
@@ -82,7 +93,50 @@ def _one(server, ids: list[int], to_dp: bool) -> tuple[float, int, int] | None:
             after["moved_tokens_to_tp"] - before["moved_tokens_to_tp"], 0)
 
 
-def run(model_args: list[str], contexts: list[int], repeats: int, out: Path) -> str:
+def _upgrade(server, seed: int) -> tuple[float, int, int] | None:
+    """One request outgrows engine 1 into the group; (the leader's join ms, the tokens
+    that joined, 0) or None if it did not."""
+    before = _engines(server)
+    ids = _prompts(1, 32, seed=seed)[0]
+    payload = {"input_ids": ids, "routed_dp_rank": 1,
+               "sampling_params": {"max_new_tokens": None, "temperature": 0, "ignore_eos": True}}
+    requests.post(server.url + "/generate", json=payload, timeout=900).raise_for_status()
+    after = _engines(server)
+    if after[1]["upgraded"] == before[1]["upgraded"]:
+        return None
+    return (after[0]["join_ms_sum"] - before[0]["join_ms_sum"],
+            after[1]["moved_tokens_to_tp"] - before[1]["moved_tokens_to_tp"], 0)
+
+
+def _upgrade_rows(model_args: list[str], contexts: list[int], repeats: int, out: Path) -> list[str]:
+    from flying.session.upgrade import AHEAD
+
+    rows = []
+    for n in contexts:
+        server = _serve(
+            [*model_args, "--dp-size", "2", "--max-total-tokens", str(n + AHEAD + 2),
+             "--flying-policy", "static-dp"],
+            out / f"server-upgrade-{n}.log",
+        )
+        try:
+            got = [g for g in (_upgrade(server, 900 + i) for i in range(repeats)) if g is not None]
+        finally:
+            server.stop()
+        rows.append(_row("DP -> TP-2 (upgrade)", n, got, repeats, "the same, holder -> member"))
+    return rows
+
+
+def _row(direction: str, n: int, got: list, repeats: int, peer: str) -> str:
+    if not got:
+        return f"| {direction} | {n} | 0/{repeats} | | | | |"
+    ms = statistics.median(g[0] for g in got)
+    tokens = statistics.median(g[1] for g in got)
+    return (f"| {direction} | {n} | {len(got)}/{repeats} | {tokens:.0f} | "
+            f"{ms:.2f} | {ms / (tokens / 1000):.2f} | {peer} |")
+
+
+def run(model_args: list[str], contexts: list[int], repeats: int, out: Path,
+        upgrade_contexts: list[int] | None = None) -> str:
     out.mkdir(parents=True, exist_ok=True)
     total = max(16384, 4 * max(contexts) + 2048)
     server = _serve(
@@ -98,19 +152,12 @@ def run(model_args: list[str], contexts: list[int], repeats: int, out: Path) -> 
                 tries = [_one(server, _prompts(1, n, seed=100 * n + i + 7 * to_dp)[0], to_dp)
                          for i in range(repeats)]
                 got = [g for g in tries if g is not None]
-                if not got:
-                    rows.append(f"| {'TP-2 -> DP' if to_dp else 'DP -> TP-2'} | {n} | 0/{repeats} | | | | |")
-                    continue
-                ms = statistics.median(g[0] for g in got)
-                tokens = statistics.median(g[1] for g in got)
-                nbytes = statistics.median(g[2] for g in got)
+                nbytes = statistics.median(g[2] for g in got) if got else 0
                 peer = f"{nbytes / 2**20:.2f} MiB" if to_dp else "the same, leader -> member"
-                rows.append(
-                    f"| {'TP-2 -> DP' if to_dp else 'DP -> TP-2'} | {n} | {len(got)}/{repeats} | {tokens:.0f} | "
-                    f"{ms:.2f} | {ms / (tokens / 1000):.2f} | {peer} |"
-                )
+                rows.append(_row("TP-2 -> DP" if to_dp else "DP -> TP-2", n, got, repeats, peer))
     finally:
         server.stop()
+    rows += _upgrade_rows(model_args, upgrade_contexts or [], repeats, out)
     table = "\n".join(rows)
     (out / "table.md").write_text(table + "\n")
     return table
@@ -120,6 +167,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model-path", default=None, help="default: the embedded demo model")
     p.add_argument("--contexts", default="256,1024,2048")
+    p.add_argument("--upgrade-contexts", default="",
+                   help="also measure the long-context upgrade at these contexts (one server each)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", type=Path, default=Path("results/bench_move"))
     a = p.parse_args(argv)
@@ -129,7 +178,8 @@ def main(argv: list[str] | None = None) -> None:
 
         model_args = ["--model-path", str(ensure_demo_model())]
     contexts = [int(x) for x in a.contexts.split(",")]
-    print(run(model_args, contexts, a.repeats, a.out))
+    upgrade_contexts = [int(x) for x in a.upgrade_contexts.split(",") if x]
+    print(run(model_args, contexts, a.repeats, a.out, upgrade_contexts))
 
 
 if __name__ == "__main__":
