@@ -7,7 +7,8 @@ controller for a group; the TP-2 group around its engine takes it with its KV (n
 prompt prefilled again) and it goes on to the group's pooled limit: more tokens than one
 engine's whole pool holds, every one equal to transformers' greedy continuation. From
 engine 1 (not the group's leader) its KV comes from engine 1 and the leader streams the
-rest. KV slots and request rows return to their initial counts.
+rest. KV slots and request rows return to their initial counts. A fault while the
+request moves leaves it in DP, where it ends at the engine's limit as in plain SGLang.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ SLOTS = 400  # KV slots per engine: a 40-token prompt outgrows one engine after 
 def upgrade_server(demo_model_dir, tmp_path_factory):
     yield from demo_server(
         demo_model_dir, tmp_path_factory.mktemp("upgrade") / "server.log",
-        "--max-total-tokens", str(SLOTS),
+        "--max-total-tokens", str(SLOTS), env={"FLYING_TEST_FAULTS": "1"},
     )
 
 
@@ -97,3 +98,23 @@ def test_a_bounded_request_ends_at_its_bound_in_dp(upgrade_server, demo_model_di
     assert len(r.json()["output_ids"]) == slots - len(prompt) - 8
     assert _deltas(after, before, "upgrade_asks") == [0, 0]
     assert _deltas(after, before, "binds") == [0, 0]
+
+
+@pytest.mark.parametrize("rank", [1, 0])
+def test_a_fault_while_upgrading_leaves_the_request_in_dp(upgrade_server, demo_model_dir, rank):
+    """The holder (engine 1) or the other member fails while the KV moves: the session
+    ends, the request goes on in DP with its DP bound back and ends at the engine's
+    limit with SGLang's tokens; nothing leaks."""
+    r = upgrade_server.post("/flying/test/fault", {"stage": "join", "rank": rank})
+    assert r.status_code == 200, r.text
+    before = wait_idle(upgrade_server)
+    (prompt,) = prompts(1, 40, seed=149 + rank)
+    r = upgrade_server.post("/generate", _unbounded(prompt, 1), timeout=900)
+    assert r.status_code == 200, r.text
+    ids = r.json()["output_ids"]
+    after = _settled(upgrade_server, before)
+    assert sum(_deltas(after, before, "faulted_sessions")) >= 1
+    assert _deltas(after, before, "upgraded") == [0, 0]
+    slots = engine_counter(before, "total_kv_slots")[0]
+    assert len(prompt) + len(ids) < slots  # one engine's bound, as without Flying
+    assert ids == greedy_tokens(demo_model_dir, prompt, len(ids))
