@@ -36,6 +36,15 @@ def wait_idle(server, timeout: float = 60.0) -> dict:
         time.sleep(0.3)
 
 
+def settled(server, before: dict) -> dict:
+    """The idle status (``wait_idle``), asserting that every engine's KV slots and
+    request rows are back to their counts in ``before``."""
+    after = wait_idle(server)
+    for key in ("free_kv_slots", "free_req_rows"):
+        assert engine_counter(after, key) == engine_counter(before, key)
+    return after
+
+
 def engine_counter(doc: dict, key: str) -> list:
     """``key`` of every engine in a status document, by rank."""
     return [e.get(key) for e in sorted(doc["engines"], key=lambda e: e["rank"])]

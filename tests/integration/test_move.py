@@ -26,6 +26,7 @@ from tests.node import (
     engine_counter,
     greedy,
     greedy_on,
+    settled,
     status,
     stream_ids,
     total,
@@ -91,16 +92,9 @@ def _dp_then_tp(server, seed: int) -> tuple[dict, dict, dict, list, list]:
     return before, result, short, long_prompt, short_prompt
 
 
-def _settled(server, before: dict) -> dict:
-    after = wait_idle(server)
-    for key in ("free_kv_slots", "free_req_rows"):
-        assert engine_counter(after, key) == engine_counter(before, key)
-    return after
-
-
 def test_a_running_group_request_moves_to_dp_when_dp_work_arrives(move_server, demo_model_dir):
     before, long, short, long_prompt, short_prompt = _tp_then_dp(move_server, seed=73)
-    after = _settled(move_server, before)
+    after = settled(move_server, before)
     assert short["meta_info"]["flying"]["mode"] == "dp"
     assert short["output_ids"] == greedy_tokens(demo_model_dir, short_prompt, SHORT)
     flying = long["meta_info"]["flying"]
@@ -141,7 +135,7 @@ def test_a_moved_request_goes_on_streaming_from_the_less_loaded_member(move_serv
     dp, dp_result = greedy_on(move_server, dp_prompt, SHORT, 0)  # DP work on the leader
     dp.join(timeout=600)
     group.join(timeout=600)
-    after = _settled(move_server, before)
+    after = settled(move_server, before)
     moved = [a - b for a, b in zip(engine_counter(after, "moved_to_dp"),
                                    engine_counter(before, "moved_to_dp"), strict=True)]
     assert moved == [0, 1], moved  # landed on engine 1, not on the leader
@@ -155,7 +149,7 @@ def test_a_moved_request_goes_on_streaming_from_the_less_loaded_member(move_serv
 
 def test_a_running_dp_request_joins_a_forming_group(move_server, demo_model_dir):
     before, long, short, long_prompt, short_prompt = _dp_then_tp(move_server, seed=79)
-    after = _settled(move_server, before)
+    after = settled(move_server, before)
     assert short["meta_info"]["flying"]["mode"] == "tp"
     assert short["output_ids"] == greedy_tokens(demo_model_dir, short_prompt, SHORT)
     assert long["output_ids"] == greedy_tokens(demo_model_dir, long_prompt, LONG)
@@ -195,7 +189,7 @@ def test_a_request_that_joined_a_group_moves_back_to_dp(move_server, demo_model_
     dp = move_server.post("/generate", payload, timeout=600).json()
     long.join(timeout=600)
     held.join(timeout=600)
-    after = _settled(move_server, before)
+    after = settled(move_server, before)
     assert constrained["status_code"] == 200, constrained
     assert len(constrained["text"]) > 0 and constrained["text"].isalpha(), constrained["text"]
     assert _delta(after, before, "moved_to_dp") >= 1
@@ -216,7 +210,7 @@ def _arm(server, stage: str, rank: int) -> None:
 def test_a_fault_while_moving_to_dp_ends_that_session_only(move_server, demo_model_dir, rank):
     _arm(move_server, "move", rank)
     before, long, short, long_prompt, short_prompt = _tp_then_dp(move_server, seed=83 + rank)
-    after = _settled(move_server, before)
+    after = settled(move_server, before)
     assert _delta(after, before, "faulted_sessions") >= 1
     assert _delta(after, before, "moved_to_dp") == 0
     # Nothing of the group's request was sent yet: the leader re-ran it in DP.
@@ -228,13 +222,13 @@ def test_a_fault_while_moving_to_dp_ends_that_session_only(move_server, demo_mod
 def test_a_fault_while_joining_leaves_the_request_in_dp(move_server, demo_model_dir, rank):
     _arm(move_server, "join", rank)
     before, long, short, long_prompt, short_prompt = _dp_then_tp(move_server, seed=89 + rank)
-    after = _settled(move_server, before)
+    after = settled(move_server, before)
     assert _delta(after, before, "faulted_sessions") >= 1
     assert _delta(after, before, "moved_to_tp") == 0
     assert long["output_ids"] == greedy_tokens(demo_model_dir, long_prompt, LONG)
     assert short["output_ids"] == greedy_tokens(demo_model_dir, short_prompt, SHORT)
     # The node still moves requests after the fault.
     before, long, short, long_prompt, short_prompt = _dp_then_tp(move_server, seed=97 + rank)
-    after = _settled(move_server, before)
+    after = settled(move_server, before)
     assert _delta(after, before, "moved_to_tp") == 1
     assert long["output_ids"] == greedy_tokens(demo_model_dir, long_prompt, LONG)

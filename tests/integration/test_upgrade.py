@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import demo_server
-from tests.node import engine_counter, stream_ids, wait_idle
+from tests.node import engine_counter, settled, stream_ids, wait_idle
 from tests.reference import greedy_tokens, prompts
 
 pytestmark = pytest.mark.integration
@@ -44,13 +44,6 @@ def _deltas(after: dict, before: dict, key: str) -> list[int]:
     return [a - b for a, b in zip(engine_counter(after, key), engine_counter(before, key), strict=True)]
 
 
-def _settled(server, before: dict) -> dict:
-    after = wait_idle(server)
-    for key in ("free_kv_slots", "free_req_rows"):
-        assert engine_counter(after, key) == engine_counter(before, key)
-    return after
-
-
 def test_a_request_without_a_bound_outgrows_its_engine_into_a_group(upgrade_server, demo_model_dir):
     before = wait_idle(upgrade_server)
     slots = engine_counter(before, "total_kv_slots")[0]
@@ -59,7 +52,7 @@ def test_a_request_without_a_bound_outgrows_its_engine_into_a_group(upgrade_serv
     assert r.status_code == 200, r.text
     out = r.json()
     ids = out["output_ids"]
-    after = _settled(upgrade_server, before)
+    after = settled(upgrade_server, before)
     assert len(prompt) + len(ids) > slots, (len(ids), slots)  # more than one engine holds
     assert out["meta_info"]["finish_reason"]["type"] == "length"
     assert out["meta_info"]["flying"]["mode"] == "tp", out["meta_info"]["flying"]
@@ -75,7 +68,7 @@ def test_an_upgraded_stream_goes_on_from_the_groups_leader(upgrade_server, demo_
     slots = engine_counter(before, "total_kv_slots")[0]
     (prompt,) = prompts(1, 48, seed=137)
     ids, meta, chunks = stream_ids(upgrade_server, _unbounded(prompt, 1, stream=True))
-    after = _settled(upgrade_server, before)
+    after = settled(upgrade_server, before)
     assert chunks > 1
     assert len(prompt) + len(ids) > slots, (len(ids), slots)
     assert meta["finish_reason"]["type"] == "length"
@@ -94,7 +87,7 @@ def test_a_bounded_request_ends_at_its_bound_in_dp(upgrade_server, demo_model_di
     payload["sampling_params"]["max_new_tokens"] = slots - len(prompt) - 8
     r = upgrade_server.post("/generate", payload, timeout=900)
     assert r.status_code == 200, r.text
-    after = _settled(upgrade_server, before)
+    after = settled(upgrade_server, before)
     assert len(r.json()["output_ids"]) == slots - len(prompt) - 8
     assert _deltas(after, before, "upgrade_asks") == [0, 0]
     assert _deltas(after, before, "binds") == [0, 0]
@@ -112,7 +105,7 @@ def test_a_fault_while_upgrading_leaves_the_request_in_dp(upgrade_server, demo_m
     r = upgrade_server.post("/generate", _unbounded(prompt, 1), timeout=900)
     assert r.status_code == 200, r.text
     ids = r.json()["output_ids"]
-    after = _settled(upgrade_server, before)
+    after = settled(upgrade_server, before)
     assert sum(_deltas(after, before, "faulted_sessions")) >= 1
     assert _deltas(after, before, "upgraded") == [0, 0]
     slots = engine_counter(before, "total_kv_slots")[0]
