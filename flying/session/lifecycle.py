@@ -100,7 +100,8 @@ class Lifecycle:
             s.t_ready = time.perf_counter()  # switched: the rest is SGLang taking the request
             if bind.upgrade is None:
                 scope.hand(scheduler, bind.req, bind.reason)
-            scope.reasons.add(bind.reason)
+            else:  # the request joins below: the session's reason is the bind's
+                scope.reasons.add(bind.reason)
             if joining is not None:
                 join.land(scheduler, scope, joining)
                 landed = True
