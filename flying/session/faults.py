@@ -26,6 +26,7 @@ import os
 
 ENV = "FLYING_TEST_FAULTS"
 KEY = "flying/test/fault"
+_ABSENT = "-"  # what ``refresh`` reads for "no fault armed"
 STAGES = ("bind", "join", "scope", "step", "sample", "move", "release")
 
 
@@ -52,9 +53,14 @@ class FaultSwitch:
             return
         self.armed = None
         try:
-            if not self.store.check([KEY]):
+            # An atomic read that never waits: a peer may delete the key (it fired)
+            # between a check and a get, and a get of a missing key blocks for the
+            # store's timeout (an engine crashed on that in a CI run). compare_set with
+            # a non-empty expected value sets nothing when the key is absent.
+            value = self.store.compare_set(KEY, _ABSENT, _ABSENT)
+            if value in (_ABSENT, _ABSENT.encode()):
                 return
-            spec = json.loads(self.store.get(KEY))
+            spec = json.loads(value)
         except Exception:  # noqa: BLE001 - a test switch must never take an engine down
             return
         if int(spec.get("rank", -1)) == self.rank:
@@ -68,10 +74,7 @@ class FaultSwitch:
             self.countdown -= 1
             return
         self.armed = None
-        # Fire once: disarm by overwriting, never by deleting. A peer may be between its
-        # ``check`` and ``get`` of the key, and a ``get`` of a deleted key blocks for
-        # the store's timeout (an engine crashed on that in a CI run).
-        self.store.set(KEY, json.dumps({"rank": -1}))
+        self.store.delete_key(KEY)  # fire once
         raise InjectedFault(f"injected fault at stage {stage!r} on engine {self.rank}")
 
 
