@@ -6,7 +6,9 @@ so that SGLang can serve it and ``tests.reference`` can run it. The Llama family
 small demo checkpoint (the demo builder itself); the others copy its tokenizer.
 
 Invariants (what the tests rely on):
-- 8 query heads and 4 KV heads everywhere, so TP degrees 2 and 4 are both allowed.
+- 8 query heads and 4 KV heads in every family (``FAMILIES``), so TP degrees 2 and 4
+  split the heads; the ``REPLICATED`` checkpoints have fewer KV heads (2, 1) than a
+  TP-4 (TP-2) group's ranks, which then replicate them as SGLang's TP does.
 - float32 weights, so SGLang on CPU and transformers agree token for token.
 - vocab = the demo tokenizer's 512 entries; ``tests.reference.prompts`` ids are valid.
 - Norm weights and biases are random too (transformers initialises them to 1 and 0),
@@ -104,6 +106,27 @@ FAMILIES: dict[str, Family] = {
 }
 
 
+#: Fewer KV heads than a group's degree (8 query heads): each KV head on degree/H_kv
+#: ranks, a DP KV slot holding H_kv tokens of the group (``layout.KvSplit``).
+REPLICATED: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Family(
+            "qwen2-kv2", "Qwen2ForCausalLM", {**_COMMON, "num_key_value_heads": 2},
+            exercises="Qwen2/2.5 0.5B-3B style: 2 KV heads, split at TP-2, replicated at "
+            "TP-4 (k/v bias rows replicated too)",
+        ),
+        Family(
+            "llama-kv1", "LlamaForCausalLM", {**_COMMON, "num_key_value_heads": 1},
+            exercises="one KV head (MQA): replicated on every rank of any group",
+        ),
+    )
+}
+
+#: Every test checkpoint by name.
+CHECKPOINTS: dict[str, Family] = {**FAMILIES, **REPLICATED}
+
+
 def cache_root() -> Path:
     return default_cache_dir() / "test-models"
 
@@ -150,11 +173,11 @@ def _write(family: Family, out: Path, root: Path) -> None:
 
 
 def ensure_model(name: str, cache_dir: Path | None = None) -> Path:
-    """The checkpoint directory of family ``name``, created on first use."""
+    """The checkpoint directory of ``name`` (``CHECKPOINTS``), created on first use."""
     root = Path(cache_dir) if cache_dir is not None else cache_root()
     if name == "llama":
         return ensure_demo_model(LLAMA_SPEC, root)
-    family = FAMILIES[name]
+    family = CHECKPOINTS[name]
     out = root / family.key()
     if (out / "flying_test_model.json").exists():
         return out

@@ -106,7 +106,7 @@ def admit(engine, scheduler, member, session, keys: list[int]) -> int:
         if engine.aborts.hits(bind.req.rid):
             break  # an aborted request is not admitted; its bind runs (and aborts) later
         res = kv_adaptor.reserve(
-            session.dp_allocator, tokens_needed(bind, engine.dp_limit), bind.degree
+            session.dp_allocator, tokens_needed(bind, engine.dp_limit), session.prepared.per_slot
         )
         if res is None:
             break

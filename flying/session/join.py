@@ -15,7 +15,8 @@ bind's rendezvous, in its DP state, and
    the requests' state (the ``Req``, pickled without its tokenizer and locks) and the
    KV to the members;
 3. in the session's TP state (``land``) every member takes a request row and TP slots,
-   writes its own head shard of each token (``kv_relayout.shard_of``), and adds the
+   writes its own head shard of each token (``kv_relayout.shard_of``; a replicated
+   head is written by each of its ranks), and adds the
    requests to the session's running batch as a decode batch whose next input is each
    request's last token (SGLang's ``FutureMap`` relay, as for any decode step).
 
@@ -39,6 +40,7 @@ from flying.session.admission import MAX_PER_STEP, agree
 from flying.session.budget import kv_tokens_needed, resolved_max_new_tokens
 from flying.session.move import kv_len, merge_into_running, rehome
 from flying.substrate import kv_adaptor, kv_relayout
+from flying.substrate.layout import KvSplit
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +55,7 @@ class Joining:
 
     reqs: list  # the leader's own Reqs, or their copies on the other members
     lens: list[int]  # tokens of KV per request
-    shard: torch.Tensor | None  # this member's heads: [layers, 2, sum(lens), H_kv/m, d]
+    shard: torch.Tensor | None  # this member's heads: [layers, 2, sum(lens), H_kv/f, d]
     reservations: list = field(default_factory=list)
     t_agreed: float = 0.0  # perf_counter when the members agreed on the joining requests
     #: the source's copy of every head (``[layers, 2, sum(lens), H_kv, d]``): what a
@@ -127,7 +129,8 @@ def gather(engine, scheduler, bind, member, is_leader: bool, faults=None) -> Joi
     lens, budgets = shared[1 : 1 + n], shared[1 + MAX_JOIN : 1 + MAX_JOIN + n]
     reservations = []
     for tokens in budgets:
-        res = tp_scope.reserve_for(scheduler, tokens, degree)  # evicts cached DP prefixes
+        # evicts cached DP prefixes
+        res = tp_scope.reserve_for(scheduler, tokens, engine.prepared[degree].per_slot)
         if res is None:
             break
         reservations.append(res)
@@ -324,18 +327,27 @@ def _broadcast_bytes(member, data: bytes, src: int = 0) -> bytes:
 
 def _scatter(member, block, scheduler, tokens: int, degree: int, src: int = 0) -> torch.Tensor:
     """This member's head shard of the source's full block ``[layers, 2, tokens, H_kv, d]``
-    (``block`` is None off the source, TP rank ``src``). The source keeps its own heads
-    and sends the others' (every head but its own, in TP-rank order) in one exchange;
-    the other members send zeros of that shape."""
+    (``block`` is None off the source, TP rank ``src``). The source keeps its own shard
+    and sends, in one exchange, one copy of each shard another member holds (``_needed``:
+    every other rank's without replication; with H_kv < degree each head once, even if
+    it lives on several ranks); the other members send zeros of that shape."""
     if member.tp_rank == src:
-        h = block.shape[3] // degree
-        others = torch.cat([block[:, :, :, : src * h], block[:, :, :, (src + 1) * h :]], dim=3)
-        kv_relayout.exchange(member, others.contiguous())
-        return kv_relayout.shard_of(block, src, degree)
+        split = KvSplit(block.shape[3], degree)
+        needed = _needed(split, src)
+        sent = torch.cat([kv_relayout.shard_of(block, j, split.shards) for j in needed], dim=3)
+        kv_relayout.exchange(member, sent)
+        return kv_relayout.shard_of(block, split.shard(src), split.shards)
     pool = scheduler.tp_worker.model_runner.token_to_kv_pool  # the DP pool (DP state)
     heads, dim = pool.k_buffer[0].shape[1:]
-    h = heads // degree
-    shape = (len(pool.k_buffer), 2, tokens, heads - h, dim)
-    others = kv_relayout.exchange(member, torch.zeros(shape, dtype=pool.k_buffer[0].dtype))[src]
-    r = member.tp_rank if member.tp_rank < src else member.tp_rank - 1
-    return others[:, :, :, r * h : (r + 1) * h].contiguous()
+    split = KvSplit(heads, degree)
+    needed, h = _needed(split, src), split.heads_per_rank
+    shape = (len(pool.k_buffer), 2, tokens, len(needed) * h, dim)
+    got = kv_relayout.exchange(member, torch.zeros(shape, dtype=pool.k_buffer[0].dtype))[src]
+    at = needed.index(split.shard(member.tp_rank))
+    return got[:, :, :, at * h : (at + 1) * h].contiguous()
+
+
+def _needed(split: KvSplit, src: int) -> list[int]:
+    """The head groups (``KvSplit.shard``) held by some member other than ``src``, in
+    order: what the source sends in a scatter."""
+    return sorted({split.shard(r) for r in range(split.degree) if r != src})

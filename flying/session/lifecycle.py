@@ -47,8 +47,9 @@ class Lifecycle:
                 return None, f"engine {self.dp_rank} has no TP-{bind.degree} views"
             # An upgrade's request reserves what it joins with (``upgrade.gather``);
             # the session itself starts from one slot per member.
-            tokens = bind.degree if bind.upgrade else admission.tokens_needed(bind, self.dp_limit)
-            reservation = tp_scope.reserve_for(scheduler, tokens, bind.degree)
+            per_slot = self.prepared[bind.degree].per_slot
+            tokens = per_slot if bind.upgrade else admission.tokens_needed(bind, self.dp_limit)
+            reservation = tp_scope.reserve_for(scheduler, tokens, per_slot)
         except Exception as exc:  # noqa: BLE001 - any failure is this member's "no"
             logger.exception("flying: engine %d cannot join bind %s", self.dp_rank, bind.bind_id)
             return None, f"engine {self.dp_rank} failed to prepare: {exc}"

@@ -16,7 +16,8 @@ boundary, on every member at the same step,
 3. every member reads its head shard of every token (``kv_relayout.read_block`` on its
    TP view) and the members all-gather them; each member that was assigned requests
    gives the session's reserved slots back, takes DP slots, writes whole rows (all
-   heads) for its requests, rewrites their ``req_to_token`` rows, re-homes them in the
+   heads; one copy of each distinct head group when heads are replicated) for its
+   requests, rewrites their ``req_to_token`` rows, re-homes them in the
    DP prefix cache (root lock, nothing protected: the tree learns their tokens when
    they finish, as for any DP request) and merges them into its DP running batch
    (SGLang's ``merge_batch``, the way a prefill batch joins it); every member frees the
@@ -204,12 +205,14 @@ def _room(scheduler, scope) -> int:
 def _land(scheduler, scope, batch, reqs, lens, shards: list[torch.Tensor],
           tokens: torch.Tensor | None) -> None:
     """A member, DP state: write its requests' rows from the members' shards (``shards``:
-    [layers, 2, n, H_kv/m, d] each, TP-rank order; ``tokens``: which of the n are these
+    [layers, 2, n, H_kv/f, d] each, TP-rank order; one copy of each distinct head group
+    is written when heads are replicated; ``tokens``: which of the n are these
     requests', None for all), re-point the requests at them and merge them into the DP
     running batch."""
     scope.release_all()  # their TP sub-slots are read: the reserved rows are free again
     slots = tp_scope.take_dp_slots(scheduler, sum(lens))
-    kv_relayout.write_shards(scope.dp_pool, slots, shards, tokens)
+    distinct = kv_relayout.distinct(shards, scope.prepared.split)
+    kv_relayout.write_shards(scope.dp_pool, slots, distinct, tokens)
     rehome(scheduler, reqs, lens, slots)
     batch.token_to_kv_pool_allocator = scheduler.token_to_kv_pool_allocator
     batch.tree_cache = scheduler.tree_cache

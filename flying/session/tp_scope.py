@@ -11,7 +11,8 @@ Two parts, both attribute toggles (``flying.substrate.toggle``):
 
 What the TP state swaps:
 - model layers -> TP shard views (``weight_views.tp_layers``), reductions on the group;
-- model runner: KV pool -> TP view of the same memory, allocator -> the reserved
+- model runner: KV pool -> TP view of the same memory (its heads split, or replicated
+  when the model has fewer KV heads than the degree: ``layout.KvSplit``), allocator -> the reserved
   sub-slots, attention backend -> an instance bound to the TP view;
 - scheduler: allocator and a disabled prefix cache for TP requests (they never enter
   the DP radix tree: different index space, partial heads), its DP queues (waiting and
@@ -30,6 +31,7 @@ import torch
 
 from flying.session import report
 from flying.substrate import kv_adaptor
+from flying.substrate.layout import KvSplit
 from flying.substrate.toggle import Toggle
 from flying.substrate.weight_views import build_shards, layer_toggle
 
@@ -45,10 +47,11 @@ def _runner(scheduler):
     return scheduler.tp_worker.model_runner
 
 
-def reserve_for(scheduler, tokens: int, degree: int):
-    """Reserve DP slots for a TP session, evicting cached DP prefixes if needed."""
-    _make_room(scheduler, -(-tokens // degree))
-    return kv_adaptor.reserve(scheduler.token_to_kv_pool_allocator, tokens, degree)
+def reserve_for(scheduler, tokens: int, per_slot: int):
+    """Reserve DP slots for ``tokens`` tokens of a TP session at ``per_slot`` tokens per
+    DP slot (``Prepared.per_slot``), evicting cached DP prefixes if needed."""
+    _make_room(scheduler, -(-tokens // per_slot))
+    return kv_adaptor.reserve(scheduler.token_to_kv_pool_allocator, tokens, per_slot)
 
 
 def _make_room(scheduler, slots: int) -> None:
@@ -157,16 +160,24 @@ class Prepared:
 
     degree: int
     layers: Toggle  # the model's layers as this engine's TP rank
-    tp_pool: object  # the KV pool viewed as [rows*m, H_kv/m, d]
+    tp_pool: object  # the KV pool viewed as [rows*f, H_kv/f, d], f = split.shards
     backend: object  # the attention backend bound to ``tp_pool``
     #: (holder, attribute) of every reference to the DP tree cache / the DP allocator
     cache_refs: list[tuple[object, str]]
     allocator_refs: list[tuple[object, str]]
     size_holders: list[object]  # components with their own ``max_total_num_tokens``
+    #: which KV heads each rank holds (split, or replicated when H_kv < degree)
+    split: KvSplit
     #: the TP allocator and disabled prefix cache, made at the first session and reused
     #: (re-pointed at each session's reservation): one session per degree at a time
     allocator: object = None
     cache: object = None
+
+    @property
+    def per_slot(self) -> int:
+        """Tokens one DP slot holds in this degree's KV view: the degree, or H_kv when
+        heads are replicated (a group then pools H_kv x one engine's KV, not m x)."""
+        return self.split.shards
 
 
 def prepare(scheduler, member) -> Prepared:
@@ -189,6 +200,7 @@ def prepare(scheduler, member) -> Prepared:
         [(h, n) for h, n, kind in refs if kind == "cache"],
         [(h, n) for h, n, kind in refs if kind == "allocator"],
         _pool_size_holders(scheduler),
+        KvSplit(runner.token_to_kv_pool.head_num, degree),
     )
 
 

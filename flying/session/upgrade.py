@@ -98,12 +98,13 @@ def _due(req) -> bool:
     return 0 < left <= AHEAD and join.eligible(req, move.kv_len(req))
 
 
-def new_total(room: int, degree: int, engine_slots: int, context_limit: int) -> int:
-    """Tokens (prompt + output) a request may reach in a TP-``degree`` group whose
-    members can each give ``room`` DP slots (a slot holds ``degree`` tokens' head
-    shards): what they pool less SGLang's admission slack, at most a whole group's
-    pool, never beyond the model's context (``context_limit``)."""
-    pooled = min(room, engine_slots) * degree - ADMISSION_SLACK
+def new_total(room: int, per_slot: int, engine_slots: int, context_limit: int) -> int:
+    """Tokens (prompt + output) a request may reach in a group whose members can each
+    give ``room`` DP slots, a slot holding ``per_slot`` tokens' head shards (the degree,
+    or H_kv when the group replicates KV heads: ``Prepared.per_slot``): what they pool
+    less SGLang's admission slack, at most a whole group's pool, never beyond the
+    model's context (``context_limit``)."""
+    pooled = min(room, engine_slots) * per_slot - ADMISSION_SLACK
     return max(0, min(pooled, context_limit))
 
 
@@ -123,8 +124,9 @@ def gather(engine, scheduler, bind: Bind, member, faults=None) -> join.Joining |
     room = max(0, tp_scope.dp_room(scheduler) + n - _dp_needs(scheduler, req))
     rows = member.gather_ints([n, prompt, bound, room])
     n, prompt, bound = rows[src][:3]
+    per_slot = engine.prepared[bind.degree].per_slot
     total = new_total(
-        min(r[3] for r in rows), bind.degree, int(scheduler.max_total_num_tokens),
+        min(r[3] for r in rows), per_slot, int(scheduler.max_total_num_tokens),
         int(scheduler.model_config.context_len) - 1,
     )
     if n == 0 or total - prompt <= bound:
@@ -137,7 +139,7 @@ def gather(engine, scheduler, bind: Bind, member, faults=None) -> join.Joining |
         [req] if is_src else [], [n], None, [], time.perf_counter(), block, source=is_src,
         dp_bounds=[bound],
     )
-    res = tp_scope.reserve_for(scheduler, total + ADMISSION_SLACK, bind.degree)
+    res = tp_scope.reserve_for(scheduler, total + ADMISSION_SLACK, per_slot)
     joining.reservations = [res] if res is not None else []
     if not join.agree(member, scheduler.token_to_kv_pool_allocator, joining.reservations):
         if is_src:

@@ -1,16 +1,20 @@
 """KV relayout: move a request's KV between the DP layout and a TP-m group's layout.
 
 One engine in DP holds every KV head of a token in one slot of its pool
-(``k_buffer[l]``: ``[rows, H_kv, d]``). In a TP-m group member ``r`` holds heads
-``[r*H_kv/m, (r+1)*H_kv/m)`` of the token in one TP slot of its own pool's TP view
-(``[rows*m, H_kv/m, d]``, ``flying.substrate.kv_adaptor``). Relayout is a gather of
-head shards (TP -> DP: every member sends its shard, one engine writes whole rows)
-or a scatter (DP -> TP: one engine's rows are cut into shards, each member writes its
-own). Nothing is recomputed; the request's ``req_to_token`` row is rewritten by the
-caller to the slots written here.
+(``k_buffer[l]``: ``[rows, H_kv, d]``). In a TP-m group member ``r`` holds the heads
+``KvSplit(H_kv, m).heads(r)`` (``flying.substrate.layout``) of the token in one TP slot
+of its own pool's TP view (``flying.substrate.kv_adaptor``): heads
+``[r*H_kv/m, (r+1)*H_kv/m)`` when they split, or the one head ``r // (m/H_kv)`` when
+there are fewer heads than ranks (each head then lives on ``m/H_kv`` ranks). Relayout
+is a gather of head shards (TP -> DP: every member sends its shard, one engine writes
+whole rows from one copy of each distinct shard) or a scatter (DP -> TP: one engine's
+rows are cut into shards, each member writes its own; a replicated shard goes to each
+of its ranks). Nothing is recomputed; the request's ``req_to_token`` row is rewritten
+by the caller to the slots written here.
 
-Shapes: a *shard block* is ``[layers, 2, n, H_kv/m, d]`` (K then V, n tokens in the
-request's token order); a *full block* is ``[layers, 2, n, H_kv, d]``. Members transfer
+Shapes: a *shard block* is ``[layers, 2, n, H_kv/f, d]`` (K then V, n tokens in the
+request's token order; ``f = KvSplit.shards``: m, or H_kv when replicated); a *full
+block* is ``[layers, 2, n, H_kv, d]``. Members transfer
 shard blocks (``exchange``): over the group's shared-memory segment in chunks of its
 slot size on one host, over gloo otherwise. The transfer is collective: every member
 calls it with a block of the same shape (lockstep gives every member the same tokens).
@@ -19,6 +23,8 @@ calls it with a block of the same shape (lockstep gives every member the same to
 from __future__ import annotations
 
 import torch
+
+from flying.substrate.layout import KvSplit
 
 
 def read_block(pool, slots: torch.Tensor) -> torch.Tensor:
@@ -40,14 +46,17 @@ def write_block(pool, slots: torch.Tensor, block: torch.Tensor) -> None:
 
 def write_shards(pool, slots: torch.Tensor, shards: list[torch.Tensor],
                  tokens: torch.Tensor | None = None) -> None:
-    """Write whole rows into ``slots`` of a DP ``pool`` straight from the members' shard
-    blocks (TP-rank order, each ``[layers, 2, n, H_kv/m, d]``): rank r's heads go to
-    heads ``[r*H_kv/m, (r+1)*H_kv/m)``. ``tokens`` (indices into the n tokens) picks
+    """Write whole rows into ``slots`` of a DP ``pool`` straight from the distinct shard
+    blocks (shard order, each ``[layers, 2, n, H_kv/f, d]``; ``distinct`` picks them
+    from the members' blocks): shard j's heads go to heads ``[j*H_kv/f, (j+1)*H_kv/f)``,
+    and together they must cover the pool's heads. ``tokens`` (indices into the n tokens) picks
     the tokens to write, in ``slots`` order; None writes all. Same result as
     ``write_block(pool, slots, join_shards(shards)[:, :, tokens])`` without building
     the joined block (two copies of every byte fewer: ~10 ms per 16 MiB on this CPU)."""
     idx = slots.to(pool.k_buffer[0].device, torch.int64)
     h = shards[0].shape[3]
+    if h * len(shards) != pool.k_buffer[0].shape[1]:
+        raise ValueError(f"{len(shards)} shards of {h} heads do not make the pool's rows")
     for layer, (k, v) in enumerate(zip(pool.k_buffer, pool.v_buffer, strict=True)):
         for r, shard in enumerate(shards):
             heads = slice(r * h, (r + 1) * h)
@@ -56,15 +65,24 @@ def write_shards(pool, slots: torch.Tensor, shards: list[torch.Tensor],
             v[idx, heads] = kv[1].to(v.dtype)
 
 
+def distinct(shards: list[torch.Tensor], split: KvSplit) -> list[torch.Tensor]:
+    """The members' shard blocks (TP-rank order, one per rank) -> one block per distinct
+    head group, in shard order: the first rank of each group (``split.ranks(j)[0]``).
+    Without replication that is every block."""
+    return [shards[split.ranks(j)[0]] for j in range(split.shards)]
+
+
 def join_shards(shards: list[torch.Tensor]) -> torch.Tensor:
-    """Shard blocks in TP-rank order -> the full block (heads concatenated)."""
+    """Distinct shard blocks in shard order -> the full block (heads concatenated)."""
     return torch.cat(shards, dim=3)
 
 
-def shard_of(block: torch.Tensor, rank: int, degree: int) -> torch.Tensor:
-    """TP rank ``rank``'s heads of a full block: ``[layers, 2, n, H_kv/m, d]``."""
-    h = block.shape[3] // degree
-    return block[:, :, :, rank * h : (rank + 1) * h].contiguous()
+def shard_of(block: torch.Tensor, shard: int, shards: int) -> torch.Tensor:
+    """Head group ``shard`` of ``shards`` equal groups of a full block:
+    ``[layers, 2, n, H_kv/shards, d]`` (a rank's is ``KvSplit.shard(rank)`` of
+    ``KvSplit.shards``; without replication, rank r's is group r of m)."""
+    h = block.shape[3] // shards
+    return block[:, :, :, shard * h : (shard + 1) * h].contiguous()
 
 
 def exchange(member, block: torch.Tensor) -> list[torch.Tensor]:

@@ -5,7 +5,10 @@ rank r computes with *views* of those tensors; nothing is copied or reloaded:
 
 - column-parallel (fused ``qkv_proj`` [(Hq+2Hkv)*d, hidden], fused ``gate_up_proj``
   [2I, hidden]): the rank's rows of each of q, k, v (gate, up) are contiguous row blocks,
-  ``narrow(0, ...)``; one GEMM per block, outputs concatenated (activations only).
+  ``narrow(0, ...)``; one GEMM per block, outputs concatenated (activations only). With
+  fewer KV heads than ranks (``H_kv < m``, ``m % H_kv == 0``) the k and v blocks are the
+  one head ``r // (m/H_kv)``, the same rows on ``m/H_kv`` ranks (``layout.KvSplit``:
+  SGLang's ``num_kv_head_replicas``); the rank's query heads all attend to that head.
 - row-parallel (``o_proj`` [hidden, Hq*d], ``down_proj`` [hidden, I]): ``narrow(1, ...)``
   is a strided view that GEMMs accept; bias added on rank 0 only; then the group's
   all-reduce. Flying reduces here itself because SGLang's own TP size stays 1, so its
@@ -27,7 +30,8 @@ bias), Qwen3 (per-head q/k RMSNorm, applied by the attention forward to whatever
 the QKV output holds, so the rank's heads are normalised exactly as in DP).
 
 What the views refuse (``UnsupportedModel`` when the table is built, never mid-forward):
-quantized or non-float weights, heads not divisible by the degree, biases returned to the
+quantized or non-float weights, query heads not divisible by the degree, KV heads that
+neither divide nor are divided by it, biases returned to the
 caller (``skip_bias_add``), gathered column outputs, MLP biases, and q/k norms whose
 weight spans more than one head (those need statistics over all heads: a reduction).
 """
@@ -41,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flying.substrate.layout import KvSplit
 from flying.substrate.toggle import Toggle, entered
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
@@ -56,13 +61,16 @@ class AttentionShard:
 
     module: nn.Module
     q_w: torch.Tensor  # [Hq*d/m, hidden] view
-    k_w: torch.Tensor  # [Hkv*d/m, hidden] view
+    k_w: torch.Tensor  # [Hkv*d/m, hidden] view (one head's rows when replicated)
     v_w: torch.Tensor
     q_b: torch.Tensor | None
     k_b: torch.Tensor | None
     v_b: torch.Tensor | None
     o_w: torch.Tensor  # [hidden, Hq*d/m] strided view
     o_b: torch.Tensor | None  # only on rank 0
+    #: distinct KV head groups of the degree (``KvSplit.shards``): m, or H_kv when each
+    #: head is replicated; k_w / v_w are [Hkv*d/kv_shards, hidden]
+    kv_shards: int
 
 
 @dataclass
@@ -122,27 +130,34 @@ def _check_qk_norms(attn: nn.Module) -> None:
 
 
 def attention_shard(attn: nn.Module, m: int, r: int) -> AttentionShard:
+    """Rank r's rows of q (heads ``[r*H_q/m, (r+1)*H_q/m)``) and of k and v (the heads
+    ``KvSplit(H_kv, m).heads(r)``: split, or one head replicated on ``m/H_kv`` ranks,
+    as SGLang's ``QKVParallelLinear`` loads them), and its o_proj columns (its query
+    heads' outputs)."""
     q, kv = attn.q_size, attn.kv_size  # full sizes: engines run at tp_size=1
-    if attn.num_heads % m or attn.num_kv_heads % m:
-        raise UnsupportedModel(
-            f"{attn.num_heads} query / {attn.num_kv_heads} KV heads not divisible by TP "
-            f"degree {m}"
-        )
+    if attn.num_heads % m:
+        raise UnsupportedModel(f"{attn.num_heads} query heads not divisible by TP degree {m}")
+    try:
+        split = KvSplit(attn.num_kv_heads, m)
+    except ValueError as exc:
+        raise UnsupportedModel(str(exc)) from None
     _check_qk_norms(attn)
     qkv_w, o_w = _weight(attn.qkv_proj), _weight(attn.o_proj)
     qkv_b = getattr(attn.qkv_proj, "bias", None)
     o_b = getattr(attn.o_proj, "bias", None)
-    qs, ks = q // m, kv // m
+    qs, ks = q // m, kv // split.shards
+    k0 = split.shard(r) * ks  # this rank's first k (and v) row
     return AttentionShard(
         module=attn,
         q_w=qkv_w.narrow(0, r * qs, qs),
-        k_w=qkv_w.narrow(0, q + r * ks, ks),
-        v_w=qkv_w.narrow(0, q + kv + r * ks, ks),
+        k_w=qkv_w.narrow(0, q + k0, ks),
+        v_w=qkv_w.narrow(0, q + kv + k0, ks),
         q_b=_rows(qkv_b, r * qs, qs),
-        k_b=_rows(qkv_b, q + r * ks, ks),
-        v_b=_rows(qkv_b, q + kv + r * ks, ks),
+        k_b=_rows(qkv_b, q + k0, ks),
+        v_b=_rows(qkv_b, q + kv + k0, ks),
         o_w=o_w.narrow(1, r * qs, qs),
         o_b=o_b if r == 0 else None,
+        kv_shards=split.shards,
     )
 
 
@@ -280,10 +295,13 @@ def layer_toggle(table: ShardTable, reduce: AllReduce) -> Toggle:
         a = s.module
         toggle.add(a.qkv_proj, "forward", _QkvView(s))
         toggle.add(a.o_proj, "forward", _RowView(s.o_w, s.o_b, reduce))
-        for name in ("num_heads", "num_kv_heads", "q_size", "kv_size"):
+        for name in ("num_heads", "q_size"):
             toggle.add(a, name, getattr(a, name) // m)
-        for name in ("tp_q_head_num", "tp_k_head_num", "tp_v_head_num"):
-            toggle.add(a.attn, name, getattr(a.attn, name) // m)
+        for name in ("num_kv_heads", "kv_size"):  # replicated heads: 1 per rank
+            toggle.add(a, name, getattr(a, name) // s.kv_shards)
+        toggle.add(a.attn, "tp_q_head_num", a.attn.tp_q_head_num // m)
+        for name in ("tp_k_head_num", "tp_v_head_num"):
+            toggle.add(a.attn, name, getattr(a.attn, name) // s.kv_shards)
     for p in table.mlp:
         mod = p.module
         toggle.add(mod.gate_up_proj, "forward", _GateUpView(p))

@@ -5,21 +5,23 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from flying.session.move import allowed
 from flying.substrate import kv_adaptor, kv_relayout
+from flying.substrate.layout import KvSplit
 
 LAYERS, ROWS, HEADS, DIM = 3, 32, 4, 8
 
 
-def _pool(seed: int = 0) -> SimpleNamespace:
+def _pool(seed: int = 0, heads: int = HEADS) -> SimpleNamespace:
     """A stand-in with the MHA pool's buffer layout: per layer [rows, H_kv, d]."""
     g = torch.Generator().manual_seed(seed)
     return SimpleNamespace(
-        k_buffer=[torch.randn(ROWS, HEADS, DIM, generator=g) for _ in range(LAYERS)],
-        v_buffer=[torch.randn(ROWS, HEADS, DIM, generator=g) for _ in range(LAYERS)],
-        head_num=HEADS, head_dim=DIM, v_head_dim=DIM, size=ROWS - 1, page_size=1,
+        k_buffer=[torch.randn(ROWS, heads, DIM, generator=g) for _ in range(LAYERS)],
+        v_buffer=[torch.randn(ROWS, heads, DIM, generator=g) for _ in range(LAYERS)],
+        head_num=heads, head_dim=DIM, v_head_dim=DIM, size=ROWS - 1, page_size=1,
     )
 
 
@@ -81,6 +83,41 @@ def test_write_shards_equals_writing_the_joined_block():
     kv_relayout.write_block(joined, torch.arange(20, 25), kv_relayout.join_shards(shards))
     for a, b in zip(every.k_buffer + every.v_buffer, joined.k_buffer + joined.v_buffer, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kv_heads,m", [(2, 4), (1, 2), (1, 4), (4, 2)])
+def test_replicated_heads_scatter_to_every_replica_and_gather_once(kv_heads, m):
+    """DP -> TP writes each rank's head group (a replicated head on each of its ranks)
+    into the rank's own KV view; TP -> DP rebuilds whole rows from one copy of each
+    distinct group (``distinct``): the request's K and V are unchanged both ways."""
+    split = KvSplit(kv_heads, m)
+    dp = _pool(seed=1, heads=kv_heads)
+    block = kv_relayout.read_block(dp, torch.tensor([3, 0, 17, 8]))
+    views = [kv_adaptor.view_pool(_pool(seed=10 + r, heads=kv_heads), m) for r in range(m)]
+    slots = kv_adaptor.sub_slots(torch.tensor([2, 5, 7, 11]), split.shards)[:4]
+    for r, view in enumerate(views):
+        kv_relayout.write_block(view, slots, kv_relayout.shard_of(block, split.shard(r), split.shards))
+    shards = [kv_relayout.read_block(view, slots) for view in views]
+    for r in range(m):
+        assert torch.equal(shards[r], block[:, :, :, list(split.heads(r))])
+    mine = kv_relayout.distinct(shards, split)
+    assert len(mine) == split.shards and torch.equal(kv_relayout.join_shards(mine), block)
+    out, rows = _pool(seed=30, heads=kv_heads), torch.tensor([9, 1, 4, 12])
+    kv_relayout.write_shards(out, rows, mine)
+    assert torch.equal(kv_relayout.read_block(out, rows), block)
+    if split.replicas > 1:  # every rank's block, replicas included, is not a row
+        with pytest.raises(ValueError, match="do not make the pool's rows"):
+            kv_relayout.write_shards(out, rows, shards)
+
+
+def test_a_scatter_sends_each_head_group_other_members_hold_once():
+    from flying.session.join import _needed
+
+    assert _needed(KvSplit(4, 2), 0) == [1] and _needed(KvSplit(4, 2), 1) == [0]
+    assert _needed(KvSplit(8, 4), 2) == [0, 1, 3]  # no replication: every other rank's
+    assert _needed(KvSplit(2, 4), 0) == [0, 1]  # rank 1 replicates the source's head
+    assert _needed(KvSplit(2, 4), 3) == [0, 1]
+    assert _needed(KvSplit(1, 2), 1) == [0] and _needed(KvSplit(1, 4), 0) == [0]
 
 
 def test_block_bytes():

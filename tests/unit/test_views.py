@@ -36,14 +36,14 @@ class Linear(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, bias=False):
+    def __init__(self, bias=False, kv_heads=KV_HEADS):
         super().__init__()
-        self.num_heads, self.num_kv_heads = HEADS, KV_HEADS
-        self.q_size, self.kv_size = HEADS * D, KV_HEADS * D
+        self.num_heads, self.num_kv_heads = HEADS, kv_heads
+        self.q_size, self.kv_size = HEADS * D, kv_heads * D
         self.qkv_proj = Linear(self.q_size + 2 * self.kv_size, H, bias)
         self.o_proj = Linear(H, self.q_size, bias)
         self.attn = types.SimpleNamespace(
-            tp_q_head_num=HEADS, tp_k_head_num=KV_HEADS, tp_v_head_num=KV_HEADS
+            tp_q_head_num=HEADS, tp_k_head_num=kv_heads, tp_v_head_num=kv_heads
         )
 
 
@@ -62,9 +62,11 @@ class Mlp(nn.Module):
 
 
 class Model(nn.Module):
-    def __init__(self, bias=False):
+    def __init__(self, bias=False, kv_heads=KV_HEADS):
         super().__init__()
-        self.layers = nn.ModuleList([nn.ModuleDict({"a": Attention(bias), "m": Mlp()})])
+        self.layers = nn.ModuleList(
+            [nn.ModuleDict({"a": Attention(bias, kv_heads), "m": Mlp()})]
+        )
 
 
 @pytest.mark.parametrize("m", [2, 4])
@@ -102,6 +104,46 @@ def test_rank_outputs_recompose_the_full_layer(m, bias):
     torch.testing.assert_close(torch.cat(vs, -1), v)
     torch.testing.assert_close(o_sum, full_o, rtol=1e-4, atol=1e-3)  # bias once (rank 0)
     torch.testing.assert_close(mlp_sum, full_mlp, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("m,kv_heads", [(4, 2), (2, 1), (4, 1)])
+def test_replicated_kv_heads_each_rank_computes_its_groups_head(m, kv_heads):
+    """Fewer KV heads than ranks (SGLang's ``num_kv_head_replicas``): rank r's k and v
+    are head ``r // (m / kv_heads)`` of the full projection, the same rows on every
+    replica, its q the r-th slice of the query heads, and its head counts 1 KV head
+    and HEADS/m query heads; o_proj's partial sums still recompose the full layer."""
+    torch.manual_seed(1)
+    model = Model(bias=True, kv_heads=kv_heads)
+    attn = model.layers[0]["a"]
+    x = torch.randn(5, H)
+    q, k, v = attn.qkv_proj(x)[0].split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+    attn_in = torch.randn(5, attn.q_size)
+    full_o = attn.o_proj(attn_in)[0]
+    replicas, o_sum, qs = m // kv_heads, 0, []
+    for r in range(m):
+        table = build_shards(model, m, r)
+        assert all(shares_storage(view, full) for view, full in table.tensors())
+        with tp_layers(table, reduce=lambda t: t):
+            assert (attn.num_heads, attn.num_kv_heads, attn.kv_size) == (HEADS // m, 1, D)
+            assert (attn.attn.tp_q_head_num, attn.attn.tp_k_head_num) == (HEADS // m, 1)
+            qr, kr, vr = attn.qkv_proj(x)[0].split([attn.q_size, attn.kv_size, attn.kv_size], -1)
+            o_sum = o_sum + attn.o_proj(attn_in.chunk(m, dim=-1)[r])[0]
+        head = r // replicas
+        torch.testing.assert_close(kr, k[:, head * D : (head + 1) * D])
+        torch.testing.assert_close(vr, v[:, head * D : (head + 1) * D])
+        qs.append(qr)
+        # GQA: every query head of this rank belongs to the KV head it holds.
+        assert {(r * HEADS // m + i) // (HEADS // kv_heads) for i in range(HEADS // m)} == {head}
+    torch.testing.assert_close(torch.cat(qs, -1), q)
+    torch.testing.assert_close(o_sum, full_o, rtol=1e-4, atol=1e-3)
+    assert (attn.num_kv_heads, attn.attn.tp_k_head_num) == (kv_heads, kv_heads)  # restored
+
+
+def test_heads_that_neither_split_nor_replicate_are_refused():
+    from flying.substrate.weight_views import UnsupportedModel
+
+    with pytest.raises(UnsupportedModel, match="neither be split nor replicated"):
+        build_shards(Model(kv_heads=3), 2, 0)
 
 
 def test_scope_restores_on_exit_and_on_error():
@@ -142,6 +184,23 @@ def _pool(rows=9, heads=4, dim=8):
         head_num=heads, head_dim=dim, v_head_dim=dim, size=rows - 1, page_size=1,
         row_dim=heads * dim, v_row_dim=heads * dim, use_hnd=False, is_quantized_kv_cache=False,
     )
+
+
+@pytest.mark.parametrize("heads,m", [(2, 4), (1, 2), (2, 2)])
+def test_kv_view_of_replicated_heads_holds_kv_heads_tokens_per_slot(heads, m):
+    """H_kv < m: a rank stores 1 head per token, so a DP slot (room for H_kv heads)
+    holds H_kv tokens, not m: TP slot s*H_kv + j is head j of DP slot s."""
+    pool = _pool(heads=heads)
+    tp = kv_adaptor.view_pool(pool, m)
+    rows, f = pool.size + pool.page_size, min(heads, m)
+    assert kv_adaptor.tokens_per_slot(heads, m) == f
+    assert tp.head_num == heads // f == 1 and tp.size == rows * f - 1 and tp.row_dim == 8
+    assert tp.k_buffer[0].shape == (rows * f, 1, 8) and shares_storage(tp.k_buffer[0], pool.k_buffer[0])
+    s, j = 5, f - 1
+    tp.v_buffer[1][s * f + j] = 1.0
+    assert (pool.v_buffer[1] != 0).nonzero()[:, :2].unique(dim=0).tolist() == [[s, j]]
+    with pytest.raises(ValueError, match="neither be split nor replicated"):
+        kv_adaptor.view_pool(_pool(heads=3), 2)
 
 
 @pytest.mark.parametrize("m", [2, 4])

@@ -6,7 +6,9 @@ tp_size=1, as an engine does, and checks per layer, for TP degrees 2 and 4, that
 ranks' outputs recompose the DP outputs of SGLang's own module code:
 
 - attention prepare (QKV projection, split by the divided sizes, Qwen3's per-head q/k
-  norm, rotary embedding): the ranks' q, k, v concatenated == DP's;
+  norm, rotary embedding): the ranks' q concatenated == DP's, and each rank's k and v ==
+  DP's heads that the rank holds (``layout.KvSplit``: split, or one head replicated on
+  several ranks for the ``REPLICATED`` checkpoints, fewer KV heads than ranks);
 - ``o_proj``: the ranks' partial outputs summed == DP's (bias once: rank 0);
 - the MLP module's own forward, called as the decoder layer calls it
   (``mlp(x, forward_batch=...)``; Qwen2/Qwen3 pass ``forward_batch=`` on to
@@ -26,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.models import FAMILIES, ensure_model
+from tests.models import CHECKPOINTS, ensure_model
 from workloads.server import free_port
 
 pytestmark = pytest.mark.unit
@@ -40,12 +42,14 @@ EXPECTED = {
     "qwen3": ("Qwen3ForCausalLM", "Qwen3Attention", "Qwen2MLP"),
     "mistral": ("MistralForCausalLM", "LlamaAttention", "LlamaMLP"),
     "llama-tied": ("LlamaForCausalLM", "LlamaAttention", "LlamaMLP"),
+    "qwen2-kv2": ("Qwen2ForCausalLM", "Qwen2Attention", "Qwen2MLP"),
+    "llama-kv1": ("LlamaForCausalLM", "LlamaAttention", "LlamaMLP"),
 }
 
 
 @pytest.fixture(scope="module")
 def report() -> dict:
-    paths = {name: str(ensure_model(name)) for name in FAMILIES}
+    paths = {name: str(ensure_model(name)) for name in CHECKPOINTS}
     proc = subprocess.run(
         [sys.executable, "-m", "tests.unit.test_views_families", json.dumps(paths)],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
@@ -56,7 +60,7 @@ def report() -> dict:
     return json.loads(lines[-1])
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", list(CHECKPOINTS))
 def test_views_recompose_sglang_layers(report, family):
     got = report[family]
     assert "error" not in got, got.get("error")
@@ -114,6 +118,7 @@ def _prepare(attn, positions, x):
 def _check_family(model_path: str) -> dict:
     import torch
 
+    from flying.substrate.layout import KvSplit
     from flying.substrate.weight_views import build_shards, shares_storage, tp_layers
 
     model = _load(model_path)
@@ -129,7 +134,7 @@ def _check_family(model_path: str) -> dict:
         full = dict(zip("qkv", _prepare(attn, positions, x), strict=True))
         full["o_proj"] = attn.o_proj(attn_out)[0]
         full["mlp"] = mlp(x, forward_batch=fb)
-        before = (attn.q_size, attn.num_heads, attn.attn.tp_k_head_num)
+        before = (attn.q_size, attn.num_heads, attn.attn.tp_k_head_num, attn.num_kv_heads)
         diffs, shared = {}, True
         for m in DEGREES:
             parts = {"q": [], "k": [], "v": []}
@@ -143,14 +148,26 @@ def _check_family(model_path: str) -> dict:
                     cols = attn_out.chunk(m, dim=-1)[r]
                     sums["o_proj"] = sums["o_proj"] + attn.o_proj(cols)[0]
                     sums["mlp"] = sums["mlp"] + mlp(x, forward_batch=fb)
-            got = {k: torch.cat(v, dim=-1) for k, v in parts.items()} | sums
-            diffs[str(m)] = {k: float((got[k] - full[k]).abs().max()) for k in full}
+            split, d = KvSplit(before[3], m), attn.head_dim
+            diffs[str(m)] = {
+                "q": float((torch.cat(parts["q"], dim=-1) - full["q"]).abs().max()),
+                **{k: float((sums[k] - full[k]).abs().max()) for k in sums},
+                **{  # each rank's k / v: the DP heads it holds (replicas alike)
+                    k: max(
+                        float((t - full[k][:, split.heads(r)[0] * d : split.heads(r)[-1] * d + d])
+                              .abs().max())
+                        for r, t in enumerate(parts[k])
+                    )
+                    for k in "kv"
+                },
+            }
     return {
         "classes": [type(model).__name__, type(attn).__name__, type(mlp).__name__],
         "bases": [c.__name__ for c in type(model).__mro__],
         "max_abs_diff": diffs,
         "views_share_storage": shared,
-        "restored": before == (attn.q_size, attn.num_heads, attn.attn.tp_k_head_num)
+        "restored": before == (attn.q_size, attn.num_heads, attn.attn.tp_k_head_num,
+                               attn.num_kv_heads)
         and "forward" not in vars(attn.qkv_proj) and "forward" not in vars(mlp.down_proj),
     }
 
