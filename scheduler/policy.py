@@ -120,11 +120,15 @@ class Node:
     engine_slots: int = 0  # KV slots per engine (0: same as engine_capacity)
     group_slack: int = 0  # tokens a TP group keeps free for admission headroom
     context_limit: int = 0  # the model's context length; 0 = no limit
+    #: the model's KV heads: a group of more ranks replicates them and pools only
+    #: kv_heads engines' worth of KV slots, not degree (0: unknown, degree)
+    kv_heads: int = 0
 
     def capacity(self, degree: int) -> int:
         if degree <= 1:
             return self.engine_capacity
-        pooled = (self.engine_slots or self.engine_capacity) * degree - self.group_slack
+        per_slot = min(degree, self.kv_heads) if self.kv_heads else degree
+        pooled = (self.engine_slots or self.engine_capacity) * per_slot - self.group_slack
         return min(pooled, self.context_limit) if self.context_limit else pooled
 
 

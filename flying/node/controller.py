@@ -82,7 +82,8 @@ def _policy(controller):
         from flying.node.placement import make_policy
 
         controller._flying_policy = make_policy(
-            controller.server_args.dp_size, controller.max_req_input_len
+            controller.server_args.dp_size, controller.max_req_input_len,
+            model_path=getattr(controller.server_args, "model_path", None),
         )
     return controller._flying_policy
 

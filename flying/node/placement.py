@@ -17,6 +17,9 @@ such a request is served in DP (or refused where a client forced a group).
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from flying.node.config import get_config
 from flying.session.budget import (  # noqa: F401 (re-exported for callers)
     ADMISSION_SLACK,
@@ -32,8 +35,11 @@ DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's SamplingParams default
 SLOTS_ABOVE_INPUT_LIMIT = 6
 
 
-def make_policy(num_engines: int, max_req_input_len: int, context_len: int = 0) -> Policy:
-    """The policy for this node, from the limits SGLang's engines report at startup."""
+def make_policy(
+    num_engines: int, max_req_input_len: int, context_len: int = 0, model_path: str | None = None
+) -> Policy:
+    """The policy for this node, from the limits SGLang's engines report at startup and
+    the checkpoint's KV heads (a group replicating them pools less KV: ``Node.kv_heads``)."""
     cfg = get_config()
     node = Node(
         num_engines,
@@ -42,6 +48,7 @@ def make_policy(num_engines: int, max_req_input_len: int, context_len: int = 0) 
         engine_slots=max_req_input_len + SLOTS_ABOVE_INPUT_LIMIT,
         group_slack=ADMISSION_SLACK,
         context_limit=max(0, context_len - 1),
+        kv_heads=model_kv_heads(model_path),
     )
     return Policy(
         PolicyConfig(
@@ -49,6 +56,17 @@ def make_policy(num_engines: int, max_req_input_len: int, context_len: int = 0) 
         ).validate(),
         node,
     )
+
+
+def model_kv_heads(model_path: str | None) -> int:
+    """The checkpoint's KV heads (``num_key_value_heads``, else its attention heads) from
+    its ``config.json``; 0 where there is none to read (a hub id: groups are off then,
+    ``launch.resolve_degrees``)."""
+    config = Path(model_path or "") / "config.json"
+    if not model_path or not config.is_file():
+        return 0
+    hf = json.loads(config.read_text())
+    return int(hf.get("num_key_value_heads") or hf.get("num_attention_heads") or 0)
 
 
 def max_new_tokens(sampling_params) -> int | None:

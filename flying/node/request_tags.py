@@ -267,7 +267,8 @@ def _policy(manager):
 
         engines = max(get_config().degree_list() or [1])
         _POLICY = make_policy(
-            engines, manager.max_req_input_len, getattr(manager, "context_len", 0) or 0
+            engines, manager.max_req_input_len, getattr(manager, "context_len", 0) or 0,
+            getattr(getattr(manager, "server_args", None), "model_path", None),
         )
     return _POLICY
 
