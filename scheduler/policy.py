@@ -40,6 +40,13 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from scheduler.costs import Costs
+from scheduler.layout_choice import Choice, LayoutChooser, SwitchCosts
+from scheduler.service import Slo, quiet
+from scheduler.traffic import Traffic
+
+__all__ = ["Costs", "Traffic", "SwitchCosts", "Slo"]
+
 POLICIES = ("adaptive", "static-dp", "static-tp", "manual")
 PRIORITY_NAMES = {"low": -1, "normal": 0, "high": 1}
 
@@ -133,35 +140,6 @@ class Node:
 
 
 @dataclass(frozen=True)
-class Costs:
-    """Measured step costs: decode step time in ms at batch size 1, per degree (1 = one
-    engine in DP), as the engines measure them (calibrated by the start-up probe and
-    updated online). A degree that is missing has not been measured yet."""
-
-    decode_ms: dict[int, float]
-
-    def gain(self, degree: int) -> float | None:
-        """How much faster a TP-``degree`` step is than one engine's (0.2 = 20 %
-        faster, negative = slower); None if either is unmeasured."""
-        dp, tp = self.decode_ms.get(1), self.decode_ms.get(degree)
-        if not dp or not tp:
-            return None
-        return 1.0 - tp / dp
-
-    def describe(self, degree: int) -> str:
-        return (
-            f"TP-{degree} decode step {self.decode_ms.get(degree, 0):.2f} ms vs "
-            f"{self.decode_ms.get(1, 0):.2f} ms on one engine"
-        )
-
-    @staticmethod
-    def from_json(doc: dict | None) -> Costs | None:
-        if doc is None:
-            return None
-        return Costs({int(k): float(v) for k, v in doc.get("decode_ms", {}).items()})
-
-
-@dataclass(frozen=True)
 class PolicyConfig:
     policy: str = "adaptive"
     priority_threshold: int = 1
@@ -173,13 +151,46 @@ class PolicyConfig:
     #: group's first step, which a step a few % faster does not earn back (a 5 % gain
     #: on the demo model made the longest pause of a run 2.7x static DP's: BENCHMARKS)
     tp_gain: float = 0.10
+    #: The node's SLOs in ms (0: derived from the measured quiet service, ``derive_slo``):
+    #: the adaptive policy picks the layout predicted to serve the most requests within
+    #: them (``scheduler.layout_choice``).
+    slo_ttft_ms: float = 0.0
+    slo_tpot_ms: float = 0.0
+    #: How long a traffic phase is expected to last (s): a layout change must gain more
+    #: over it than the change costs.
+    phase_s: float = 10.0
 
     def validate(self) -> PolicyConfig:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if not 0 <= self.light_load <= self.heavy_load:
             raise ValueError("need 0 <= light_load <= heavy_load")
+        if self.slo_ttft_ms < 0 or self.slo_tpot_ms < 0:
+            raise ValueError("SLOs must be >= 0 ms (0: derived from the measured service)")
+        if self.phase_s <= 0:
+            raise ValueError("phase_s must be > 0")
         return self
+
+
+#: Derived SLOs: this many times the quiet service of the faster layout (the issue's
+#: benchmark definition: TTFT <= 4x the quiet TTFT, TPOT <= 1.5x the quiet TPOT), for
+#: a prompt of SLO_PROMPT tokens.
+SLO_TTFT_X, SLO_TPOT_X, SLO_PROMPT = 4.0, 1.5, 256
+
+
+def derive_slo(config: PolicyConfig, costs: Costs | None, degrees: tuple[int, ...]) -> Slo | None:
+    """The node's SLOs: the configured ones, each unset one derived from the quiet
+    service (one request alone) of the fastest mode measured; None if a needed one
+    cannot be derived yet (no costs)."""
+    quiets = [q for d in (1, *degrees) if costs is not None
+              and (q := quiet(costs, d, SLO_PROMPT)) is not None]
+    if quiets:
+        ttft = config.slo_ttft_ms or SLO_TTFT_X * min(q[0] for q in quiets)
+        tpot = config.slo_tpot_ms or SLO_TPOT_X * min(q[1] for q in quiets)
+        return Slo(round(ttft, 1), round(tpot, 2))
+    if config.slo_ttft_ms and config.slo_tpot_ms:
+        return Slo(config.slo_ttft_ms, config.slo_tpot_ms)
+    return None
 
 
 @dataclass(frozen=True)
@@ -193,7 +204,11 @@ class Decision:
 class Policy:
     config: PolicyConfig
     node: Node
-    light: bool = field(default=True)  # adaptive hysteresis state
+    light: bool = field(default=True)  # adaptive hysteresis state (without traffic)
+    #: the goodput layout choice (adaptive, with traffic); its last choice and SLOs
+    chooser: LayoutChooser | None = field(default=None, repr=False)
+    last_choice: Choice | None = field(default=None, repr=False)
+    slo: Slo | None = None
 
     def fit_degree(self, tokens: int) -> int | None:
         """The smallest allowed degree whose pooled KV holds ``tokens`` (1 = one engine)."""
@@ -224,7 +239,8 @@ class Policy:
         return True, ""
 
     def decide(
-        self, req: Request, loads: list[EngineLoad] | None = None, costs: Costs | None = None
+        self, req: Request, loads: list[EngineLoad] | None = None, costs: Costs | None = None,
+        traffic: Traffic | None = None, switch: SwitchCosts | None = None,
     ) -> Decision:
         largest = max(self.node.degrees, default=1)
         tokens = req.tokens
@@ -268,9 +284,12 @@ class Policy:
         policy = self.config.policy
         if policy == "static-tp" and largest > 1:
             return Decision("tp", largest, "static-tp")
+        if policy == "adaptive" and largest > 1 and loads is not None and traffic is not None:
+            return self._by_goodput(loads, costs, traffic, switch or SwitchCosts())
         if policy == "adaptive" and largest > 1 and loads is not None:
             # Without loads (the HTTP process) the load rule is left to the caller that
             # sees them (the DP controller): the answer is DP, i.e. "no TP mark".
+            # Without traffic (older callers, old logs): the requests-per-engine rule.
             self.observe(loads)
             if self.light:
                 pays, why = self.pays(largest, costs)
@@ -279,6 +298,32 @@ class Policy:
                 return Decision("dp", 1, f"adaptive: {why}")
             return Decision("dp", 1, "adaptive: heavy load")
         return Decision("dp", 1, policy)
+
+    def _by_goodput(
+        self, loads: list[EngineLoad], costs: Costs | None, traffic: Traffic,
+        switch: SwitchCosts,
+    ) -> Decision:
+        """The adaptive rule with traffic: the layout predicted to serve the most
+        requests within SLO (``scheduler.layout_choice``), and this request's place in
+        it. No measured costs: DP (a group is never chosen unmeasured)."""
+        self.slo = self.slo or derive_slo(self.config, costs, self.node.degrees)
+        if costs is None or self.slo is None:
+            self.last_choice = None
+            return Decision("dp", 1, "adaptive: no measured step costs yet")
+        if self.chooser is None:
+            self.chooser = LayoutChooser(
+                self.node.num_engines, self.node.degrees, self.config.phase_s,
+                self.config.tp_gain, self.node.engine_slots or self.node.engine_capacity,
+            )
+        choice = self.chooser.choose(
+            traffic.now, costs, traffic, sum(e.running for e in loads),
+            sum(e.waiting for e in loads), self.slo, switch,
+        )
+        self.last_choice = choice
+        degree = self.chooser.route()
+        if degree > 1:
+            return Decision("tp", degree, choice.reason)
+        return Decision("dp", 1, choice.reason)
 
     def upgrade(self, holder: int) -> Decision:
         """Where a running DP request goes that outgrows engine ``holder``: it has no

@@ -1,7 +1,10 @@
 """Replay the policy offline from the decision log a server writes (JSON lines).
 
 The DP controller writes one line per decision it makes (``--flying-decision-log``):
-``{"request": {...}, "loads": [...], "costs": {...}, "decision": {...}}``. Replaying
+``{"request": {...}, "loads": [...], "costs": {...}, "decision": {...}}``, and for the
+adaptive goodput rule also its other inputs (``traffic``: the arrival estimate,
+``switch``: measured switch costs, ``slo``: the node's SLOs) and what it predicted
+(``predictions``: per layout, goodput, TTFT, TPOT, output rate). Replaying
 feeds the same inputs to a fresh ``Policy`` (in order, so the hysteresis state evolves
 the same way) and reports every decision that differs: the server's decisions are
 reproducible offline, and a changed policy can be checked against real traffic before
@@ -17,24 +20,38 @@ import json
 from collections.abc import Iterable
 from dataclasses import asdict
 
-from scheduler.policy import Costs, Decision, EngineLoad, Node, Policy, PolicyConfig, Request
+from scheduler.policy import (
+    Costs,
+    Decision,
+    EngineLoad,
+    Node,
+    Policy,
+    PolicyConfig,
+    Request,
+    Slo,
+    SwitchCosts,
+    Traffic,
+)
 
 
 def record(
     req: Request, loads: list[EngineLoad] | None, decision: Decision, costs: Costs | None = None,
+    traffic: Traffic | None = None, switch: SwitchCosts | None = None, slo: Slo | None = None,
     **context,
 ) -> str:
     """One log line: the policy's inputs and its decision (``context``: extra fields a
-    reader may want, e.g. the request id and time; replay ignores them)."""
-    return json.dumps(
-        {
-            **context,
-            "request": asdict(req),
-            "loads": [asdict(e) for e in loads] if loads is not None else None,
-            "costs": {"decode_ms": costs.decode_ms} if costs is not None else None,
-            "decision": asdict(decision),
-        }
-    )
+    reader may want, e.g. the request id, time and predictions; replay ignores them)."""
+    doc = {
+        **context,
+        "request": asdict(req),
+        "loads": [asdict(e) for e in loads] if loads is not None else None,
+        "costs": costs.to_json() if costs is not None else None,
+        "decision": asdict(decision),
+    }
+    for name, value in (("traffic", traffic), ("switch", switch), ("slo", slo)):
+        if value is not None:
+            doc[name] = asdict(value)
+    return json.dumps(doc)
 
 
 def replay(
@@ -49,7 +66,13 @@ def replay(
             continue
         ev = json.loads(line)
         loads = None if ev["loads"] is None else [EngineLoad(**e) for e in ev["loads"]]
-        got = policy.decide(Request(**ev["request"]), loads, Costs.from_json(ev.get("costs")))
+        if ev.get("slo") and not (config.slo_ttft_ms or config.slo_tpot_ms):
+            policy.slo = Slo(**ev["slo"])  # the node's SLOs as it used them
+        traffic = Traffic(**ev["traffic"]) if ev.get("traffic") else None
+        switch = SwitchCosts(**ev["switch"]) if ev.get("switch") else None
+        got = policy.decide(
+            Request(**ev["request"]), loads, Costs.from_json(ev.get("costs")), traffic, switch
+        )
         want = Decision(**ev["decision"])
         n += 1
         if got != want:

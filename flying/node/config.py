@@ -74,6 +74,14 @@ class FlyingConfig:
     #: engine's for the policy to choose it for latency (adaptive light load, priority).
     #: Negative allows a slower group (for experiments and tests).
     tp_gain: float = _POLICY.tp_gain
+    #: The node's TTFT and TPOT SLOs in ms, which the adaptive policy serves the most
+    #: requests within; 0: derived from the measured quiet service (4x its TTFT, 1.5x
+    #: its TPOT), logged when the first request is placed.
+    slo_ttft: float = _POLICY.slo_ttft_ms
+    slo_tpot: float = _POLICY.slo_tpot_ms
+    #: Seconds a traffic phase is expected to last: the adaptive policy changes layout
+    #: only when the predicted gain over it outlasts the change's measured cost.
+    phase_s: float = _POLICY.phase_s
     #: Where the DP controller appends its decision log (JSON lines: inputs, decision,
     #: reason) for ``python -m scheduler.replay``; empty: no log.
     decision_log: str = ""
@@ -138,6 +146,12 @@ class FlyingConfig:
                 "--flying-light-load and --flying-heavy-load need 0 <= light <= heavy, got "
                 f"{self.light_load} and {self.heavy_load}"
             )
+        for name in ("slo_ttft", "slo_tpot"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{_flag(name)} must be >= 0 ms (0: derived), "
+                                  f"got {getattr(self, name)}")
+        if self.phase_s <= 0:
+            raise ConfigError(f"--flying-phase-s must be > 0, got {self.phase_s}")
         if len(self.node_name) > NODE_NAME_MAX or not _NODE_NAME.fullmatch(self.node_name):
             raise ConfigError(
                 f"--flying-node-name must be at most {NODE_NAME_MAX} characters of letters, "
@@ -188,6 +202,9 @@ _HELP = {
     "light_load": "Adaptive policy: requests per engine below which engines group into TP.",
     "heavy_load": "Adaptive policy: requests per engine above which engines return to DP.",
     "tp_gain": "How much faster a group's measured step must be than one engine's to pick it for latency (0.10 = 10 %).",
+    "slo_ttft": "Node TTFT SLO in ms for the adaptive policy's goodput (0: 4x the measured quiet TTFT).",
+    "slo_tpot": "Node TPOT SLO in ms for the adaptive policy's goodput (0: 1.5x the measured quiet TPOT).",
+    "phase_s": "Seconds a traffic phase is expected to last: a layout change must gain more over it than it costs.",
     "decision_log": "File the controller appends its decisions to (JSON lines, for python -m scheduler.replay).",
     "experimental_cuda_groups": "Allow TP groups on CUDA engines (unverified; off by default).",
     "client_priority": "trust: clients set priority (X-Priority, body priority); ignore: both dropped.",

@@ -23,6 +23,7 @@ from flying.node import costs_reader, placement_log
 from flying.node.config import get_config
 from flying.session.messages import Bind, Upgrade, read_mark
 from flying.substrate.layout import Group, group_containing, groups_of
+from scheduler.traffic import Arrivals
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +76,7 @@ def attach(controller) -> None:
     )
     controller._flying_policy = None
     controller._flying_recorded = placement_log.Recorded()
+    controller._flying_arrivals = Arrivals()
 
 
 def _policy(controller):
@@ -116,6 +118,7 @@ def binds_for(controller, req) -> list[tuple[int, Bind]]:
 
     if is_health_check_generate_req(req):
         return []
+    _note_arrival(controller, req)
     from flying.node.placement import dp_only_feature
 
     feature = dp_only_feature(req)
@@ -154,6 +157,20 @@ def upgrade_binds_for(controller, ask: Upgrade) -> list[tuple[int, Bind]]:
         logger.info("flying: request %s stays on engine %d: %s", ask.rid, ask.holder, decision.reason)
         return []
     return issuer.upgrade_binds(ask, decision.degree)
+
+
+def _note_arrival(controller, req) -> None:
+    """Count ``req`` in the arrival estimate (``scheduler.traffic``); never raises."""
+    try:
+        from flying.node.placement import max_new_tokens
+
+        try:
+            out = max_new_tokens(req.sampling_params)
+        except ValueError:
+            out = None
+        controller._flying_arrivals.note(time.monotonic(), len(req.input_ids or ()), out)
+    except Exception:  # noqa: BLE001 - the estimate is advice; placement goes on
+        logger.exception("flying: could not count request %s in the arrival rate", req.rid)
 
 
 def _priority_group(controller, req, degree: int, bound: int) -> Group | None:
@@ -216,17 +233,23 @@ def _decide(controller, req, priority: int):
 
     policy = _policy(controller)
     loads = loads_of(controller.load_snapshot_reader.read_all())
-    costs = _costs(controller).read()
+    reader = _costs(controller)
+    costs, switch = reader.read(), reader.switch()
+    traffic = controller._flying_arrivals.traffic(time.monotonic())
     request = request_of(len(req.input_ids or ()), req.sampling_params, priority, 0)
-    was_light = policy.light
-    decision = policy.decide(request, loads, costs)
-    if policy.light != was_light:
-        logger.info(
-            "flying: adaptive policy -> %s (%d requests on %d engines)",
-            "light load" if policy.light else "heavy load",
-            sum(e.requests for e in loads), len(loads),
-        )
-    _decision_log(controller).write(req.rid, request, loads, costs, decision)
+    had_slo, was = policy.slo, policy.chooser.current if policy.chooser else None
+    decision = policy.decide(request, loads, costs, traffic, switch)
+    if policy.slo is not None and had_slo is None:
+        logger.info("flying: node SLOs TTFT %.0f ms, TPOT %.1f ms", policy.slo.ttft_ms,
+                    policy.slo.tpot_ms)
+    now = policy.chooser.current if policy.chooser else None
+    if now is not None and now != was:
+        logger.info("flying: adaptive layout -> %s (%s)", now.name, decision.reason)
+    choice = policy.last_choice
+    _decision_log(controller).write(
+        req.rid, request, loads, costs, decision, traffic=traffic, switch=switch,
+        slo=policy.slo, predictions=choice.predictions if choice else None,
+    )
     return decision
 
 

@@ -1,9 +1,11 @@
 """The controller's view of measured step costs, and its decision log.
 
-``CostsReader``: the engines publish their measured single-request decode step per
-degree in their status documents (``flying.session.step_costs``); the controller reads
-them at most every ``REFRESH_S`` (one store read per engine) and hands the policy one
-``Costs``: per degree, the mean over the engines that measured it.
+``CostsReader``: the engines publish their measured step costs per degree (the
+single-request decode step and the decode / prefill curve points) and their measured
+switch and move times in their status documents (``flying.session.step_costs``,
+``flying.session.counters``); the controller reads them at most every ``REFRESH_S``
+(one store read per engine) and hands the policy one ``Costs`` (per degree and curve
+point, the mean over the engines that measured it) and one ``SwitchCosts``.
 
 ``DecisionLog``: with ``--flying-decision-log PATH`` the controller appends one JSON line
 per decision (request, loads, costs, decision with its reason), after a first line with
@@ -19,7 +21,9 @@ import time
 from dataclasses import asdict
 
 from flying.session import status
-from scheduler.policy import Costs
+from flying.session.step_costs import bucket
+from scheduler.costs import Costs, Curve
+from scheduler.layout_choice import SwitchCosts
 from scheduler.replay import record
 
 logger = logging.getLogger(__name__)
@@ -33,29 +37,72 @@ class CostsReader:
         self.store = store
         self.num_engines = num_engines
         self._costs: Costs | None = None
+        self._switch = SwitchCosts()
         self._at = float("-inf")
 
-    def read(self) -> Costs | None:
+    def _refresh(self) -> None:
         now = time.monotonic()
-        if now - self._at >= REFRESH_S:
-            self._at = now
-            try:
-                self._costs = merge(status.read_all(self.store, self.num_engines)["engines"])
-            except Exception:  # noqa: BLE001 - costs unknown: the policy stays in DP
-                logger.exception("flying: could not read the engines' step costs")
-                self._costs = None
+        if now - self._at < REFRESH_S:
+            return
+        self._at = now
+        try:
+            engines = status.read_all(self.store, self.num_engines)["engines"]
+            self._costs, self._switch = merge(engines), switch_costs(engines)
+        except Exception:  # noqa: BLE001 - costs unknown: the policy stays in DP
+            logger.exception("flying: could not read the engines' step costs")
+            self._costs = None
+
+    def read(self) -> Costs | None:
+        self._refresh()
         return self._costs
+
+    def switch(self) -> SwitchCosts:
+        self._refresh()
+        return self._switch
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
 
 
 def merge(engines: list[dict]) -> Costs | None:
-    """Per degree, the mean of the engines' measured decode step (ms); None if none."""
+    """Per degree, the mean of the engines' measured decode step (ms), and per curve
+    point (degree, kind, bucket) the mean of the engines' points; None if none."""
     per: dict[int, list[float]] = {}
+    points: dict[tuple[int, str, int], list[tuple[float, float]]] = {}
     for doc in engines:
         for degree, ms in (doc.get("decode_ms") or {}).items():
             per.setdefault(int(degree), []).append(float(ms))
+        for degree, curve in (doc.get("curves") or {}).items():
+            for kind in ("decode", "prefill"):
+                for work, ms in curve.get(kind, ()):
+                    key = (int(degree), kind, bucket(kind, round(work)))
+                    points.setdefault(key, []).append((float(work), float(ms)))
     if not per:
         return None
-    return Costs({d: round(sum(v) / len(v), 4) for d, v in sorted(per.items())})
+    curves: dict[int, dict[str, list]] = {}
+    for (degree, kind, _), pts in sorted(points.items()):
+        work, ms = _mean([w for w, _ in pts]), _mean([m for _, m in pts])
+        curves.setdefault(degree, {"decode": [], "prefill": []})[kind].append(
+            (round(work, 2), round(ms, 4)))
+    return Costs(
+        {d: round(_mean(v), 4) for d, v in sorted(per.items())},
+        {d: Curve.of(c["decode"], c["prefill"]) for d, c in curves.items()},
+    )
+
+
+def switch_costs(engines: list[dict]) -> SwitchCosts:
+    """The node's measured bind (bind -> first group step) and move (per 1k tokens of
+    context, both ways) times; the defaults until one has been measured."""
+    binds = sum(e.get("binds", 0) for e in engines)
+    tokens = sum(e.get("moved_tokens", 0) + e.get("moved_tokens_to_tp", 0) for e in engines)
+    default = SwitchCosts()
+    return SwitchCosts(
+        sum(e.get("switch_ms_sum", 0.0) for e in engines) / binds if binds
+        else default.bind_ms,
+        1000.0 * sum(e.get("move_ms_sum", 0.0) + e.get("join_ms_sum", 0.0) for e in engines)
+        / tokens if tokens else default.move_ms_per_ktok,
+    )
 
 
 class DecisionLog:
@@ -73,10 +120,13 @@ class DecisionLog:
             logger.exception("flying: cannot write the decision log %s", path)
             self._file = None
 
-    def write(self, rid: str, request, loads, costs, decision) -> None:
+    def write(self, rid: str, request, loads, costs, decision, **inputs) -> None:
+        """One decision; ``inputs``: the goodput rule's (traffic, switch, slo,
+        predictions), as ``scheduler.replay.record`` takes them."""
         if self._file is None:
             return
         try:
-            self._file.write(record(request, loads, decision, costs, rid=rid, t=time.time()) + "\n")
+            line = record(request, loads, decision, costs, rid=rid, t=time.time(), **inputs)
+            self._file.write(line + "\n")
         except OSError:
             logger.exception("flying: decision log write failed")

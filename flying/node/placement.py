@@ -52,7 +52,8 @@ def make_policy(
     )
     return Policy(
         PolicyConfig(
-            cfg.policy, cfg.priority_threshold, cfg.light_load, cfg.heavy_load, cfg.tp_gain
+            cfg.policy, cfg.priority_threshold, cfg.light_load, cfg.heavy_load, cfg.tp_gain,
+            slo_ttft_ms=cfg.slo_ttft, slo_tpot_ms=cfg.slo_tpot, phase_s=cfg.phase_s,
         ).validate(),
         node,
     )

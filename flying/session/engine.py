@@ -44,7 +44,7 @@ from flying.session.faults import FaultSwitch
 from flying.session.group import DP, GroupSession, Mode, State
 from flying.session.lifecycle import Lifecycle
 from flying.session.messages import Bind
-from flying.session.step_costs import StepClock, sample_degree
+from flying.session.step_costs import StepClock, sample_of
 from flying.substrate.comm_pool import CommPool
 
 logger = logging.getLogger(__name__)
@@ -83,7 +83,7 @@ class FlyingEngine(Lifecycle, Drain):
         #: requests without a bound of their own, which ask for a group as they outgrow
         #: this engine (``upgrades``: a group may hold more than this engine)
         self.watch = upgrade.Watch(dp_rank, upgrades, self.counters)
-        self.clock = StepClock()  # measured decode step costs per degree
+        self.clock = StepClock()  # measured step costs per mode and work (curves)
         self.session: GroupSession | None = None
         #: degree -> the objects a group of that degree needs, built at start-up
         self.prepared: dict[int, tp_scope.Prepared] = {}
@@ -162,7 +162,7 @@ class FlyingEngine(Lifecycle, Drain):
             degree, interleaved = s.bind.degree, bool(s.shared.dp_waiting)
         else:
             degree, interleaved = 1, s is not None
-        self.clock.label(sample_degree(plan.batch_to_run, degree, interleaved), started)
+        self.clock.label(sample_of(plan.batch_to_run, degree, interleaved), started)
         return plan
 
     def _next_batch(self, scheduler, original):

@@ -35,6 +35,7 @@ def publish(store, dp_rank: int, engine, scheduler=None) -> None:
         "pending_binds": len(engine.pending),
         "draining": engine.draining,
         "decode_ms": engine.clock.decode_ms(),  # measured single-request decode step, per degree
+        "curves": engine.clock.curves(),  # measured decode / prefill points, per degree
         **asdict(engine.counters),
     }
     store.set(f"flying/status/{dp_rank}", json.dumps(doc))

@@ -1,4 +1,4 @@
-"""Measured step costs: how long one decode step takes in each mode, on this engine.
+"""Measured step costs: how long a step takes in each mode, against what it does.
 
 The policy picks a TP group for latency only where a group's step is measurably faster
 than one engine's (``scheduler.policy.Costs``). The engines measure it themselves, as
@@ -8,6 +8,13 @@ for per token), for single-request decode steps, per TP degree (1 = DP). The sta
 calibrate it (one per degree, in a group and in DP); serving traffic keeps it current.
 TP steps with DP steps interleaved are not counted (their interval includes another
 batch's work).
+
+Every step is a sample of a *curve point* (``scheduler.costs``): a decode step keyed by
+its batch size, an extend (prefill) step by its new tokens, each in buckets (batch
+sizes 1-4 exactly, then powers of two; tokens in powers of two from 16), so the policy
+can predict a mode's service at the load it is about to have, not only at batch 1.
+A bucket's point is (mean work of its window, the cost below), published with the
+engine's status. ``decode_ms`` is the batch-1 decode point of each mode.
 
 The cost of a degree is a low percentile (``QUANTILE``) of its last ``WINDOW`` samples:
 the step's own cost. On a shared machine other processes (the HTTP server, the
@@ -28,69 +35,108 @@ stretch either mode.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 
-#: Samples kept per degree, and the percentile of them that is the degree's cost.
+#: Samples kept per curve point, and the percentile of them that is the point's cost.
 WINDOW = 64
 QUANTILE = 0.25
 #: Steps longer than this are not samples of a step (an engine stalled or slept).
 MAX_SAMPLE_S = 5.0
-#: A window's percentile becomes a degree's best only from this many samples on (the
+#: A window's percentile becomes a point's best only from this many samples on (the
 #: probe's calibration gives 15 per degree); until then the percentile itself is used.
 MIN_SAMPLES = 8
 
+DECODE, PREFILL = "decode", "prefill"
+#: (degree, kind, bucket): one curve point.
+Key = tuple[int, str, int]
+#: (degree, kind, work): what one step did (work: batch size or new tokens).
+Sample = tuple[int, str, int]
+
+
+def bucket(kind: str, work: int) -> int:
+    """Decode batch sizes 1-4 are their own bucket, then powers of two; prefill tokens
+    in powers of two from 16."""
+    if kind == DECODE and work <= 4:
+        return max(1, work)
+    return 1 << math.ceil(math.log2(max(work, 16 if kind == PREFILL else 1)))
+
 
 class StepClock:
-    """Single-request decode step time per degree: ``decode_ms()`` -> {degree: ms}."""
+    """Step time per curve point: ``decode_ms()`` -> {degree: ms} (batch-1 decode) and
+    ``curves()`` -> {degree: {"decode": [[batch, ms]], "prefill": [[tokens, ms]]}}."""
 
     def __init__(self) -> None:
-        self._ms: dict[int, deque[float]] = {}
-        self._samples: dict[int, int] = {}
-        self._best: dict[int, float] = {}  # degree -> lowest windowed percentile seen
-        self._open: tuple[int, float] | None = None  # (degree, started) of a counted step
+        self._ms: dict[Key, deque[tuple[float, float]]] = {}  # (work, ms)
+        self._samples: dict[int, int] = {}  # single-request decode samples per degree
+        self._best: dict[Key, tuple[float, float]] = {}  # lowest windowed percentile seen
+        self._open: tuple[Sample, float] | None = None  # (sample, started) of a step
 
     def boundary(self) -> float:
         """A step boundary starts: close the step in progress (if it was a sample) at
         this instant; returns the instant, the start of the step being formed."""
         now = time.perf_counter()
         if self._open is not None:
-            deg, started = self._open
+            (degree, kind, work), started = self._open
             if now - started <= MAX_SAMPLE_S:
-                self.record(deg, (now - started) * 1e3)
+                self.record(degree, (now - started) * 1e3, kind, work)
         self._open = None
         return now
 
-    def label(self, degree: int | None, started: float) -> None:
-        """The step that started at ``started`` is a sample of ``degree`` (None: not)."""
-        self._open = (degree, started) if degree is not None else None
+    def label(self, sample: Sample | None, started: float) -> None:
+        """The step that started at ``started`` is ``sample`` (None: not a sample)."""
+        self._open = (sample, started) if sample is not None else None
 
-    def record(self, degree: int, ms: float) -> None:
-        window = self._ms.setdefault(degree, deque(maxlen=WINDOW))
-        window.append(ms)
-        self._samples[degree] = self._samples.get(degree, 0) + 1
+    def record(self, degree: int, ms: float, kind: str = DECODE, work: int = 1) -> None:
+        key = (degree, kind, bucket(kind, work))
+        window = self._ms.setdefault(key, deque(maxlen=WINDOW))
+        window.append((float(work), ms))
+        if kind == DECODE and work == 1:
+            self._samples[degree] = self._samples.get(degree, 0) + 1
         if len(window) >= MIN_SAMPLES:
-            self._best[degree] = min(self._best.get(degree, float("inf")), _low(window))
+            point = _point(window)
+            if point[1] < self._best.get(key, (0.0, math.inf))[1]:
+                self._best[key] = point
+
+    def _points(self) -> dict[Key, tuple[float, float]]:
+        return {key: self._best.get(key, _point(w)) for key, w in sorted(self._ms.items())}
 
     def decode_ms(self) -> dict[int, float]:
-        """Per degree: its best windowed percentile (see the module docstring), or the
-        percentile of its first few samples while it has fewer than ``MIN_SAMPLES``."""
+        """Per degree: its batch-1 decode point's cost (its best windowed percentile, or
+        the percentile of its first few samples while it has fewer than MIN_SAMPLES)."""
         return {
-            degree: round(self._best.get(degree, _low(window)), 4)
-            for degree, window in sorted(self._ms.items())
+            degree: round(ms, 4)
+            for (degree, kind, b), (_, ms) in self._points().items()
+            if kind == DECODE and b == 1
         }
+
+    def curves(self) -> dict[int, dict[str, list[list[float]]]]:
+        out: dict[int, dict[str, list[list[float]]]] = {}
+        for (degree, kind, _), (work, ms) in self._points().items():
+            curve = out.setdefault(degree, {DECODE: [], PREFILL: []})
+            curve[kind].append([round(work, 2), round(ms, 4)])
+        return out
 
     def samples(self) -> dict[int, int]:
         return dict(sorted(self._samples.items()))
 
 
-def _low(window: deque[float]) -> float:
-    ordered = sorted(window)
-    return ordered[int(QUANTILE * (len(ordered) - 1))]
+def _point(window: deque[tuple[float, float]]) -> tuple[float, float]:
+    """(mean work, low percentile of ms) of a window."""
+    ordered = sorted(ms for _, ms in window)
+    work = sum(w for w, _ in window) / len(window)
+    return work, ordered[int(QUANTILE * (len(ordered) - 1))]
 
 
-def sample_degree(batch, degree: int, interleaved: bool) -> int | None:
-    """The degree a step of ``batch`` is a sample of: single-request decode steps only."""
-    if batch is None or interleaved or len(batch.reqs) != 1:
+def sample_of(batch, degree: int, interleaved: bool) -> Sample | None:
+    """What a step of ``batch`` is a sample of: a decode step by its batch size, an
+    extend step by its new tokens; None for anything else (mixed, idle, interleaved)."""
+    if batch is None or interleaved or not batch.reqs:
         return None
-    return degree if batch.forward_mode.is_decode() else None
+    mode = batch.forward_mode
+    if mode.is_decode():
+        return degree, DECODE, len(batch.reqs)
+    if mode.is_extend() and not mode.is_mixed() and batch.extend_num_tokens:
+        return degree, PREFILL, int(batch.extend_num_tokens)
+    return None

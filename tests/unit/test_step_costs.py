@@ -1,4 +1,4 @@
-"""Measured step costs: single-request decode steps only, robust to stretched steps."""
+"""Measured step costs: curve points per mode and work, robust to stretched steps."""
 
 from __future__ import annotations
 
@@ -6,22 +6,43 @@ from types import SimpleNamespace
 
 import pytest
 
-from flying.session.step_costs import StepClock, sample_degree
+from flying.session.step_costs import StepClock, bucket, sample_of
 
 pytestmark = pytest.mark.unit
 
 
-def _batch(n: int, decode: bool = True):
-    mode = SimpleNamespace(is_decode=lambda: decode)
-    return SimpleNamespace(reqs=[object()] * n, forward_mode=mode)
+def _batch(n: int, decode: bool = True, tokens: int = 0, mixed: bool = False):
+    mode = SimpleNamespace(is_decode=lambda: decode, is_extend=lambda: not decode,
+                           is_mixed=lambda: mixed)
+    return SimpleNamespace(reqs=[object()] * n, forward_mode=mode, extend_num_tokens=tokens)
 
 
-def test_only_single_request_decode_steps_are_samples():
-    assert sample_degree(_batch(1), 2, interleaved=False) == 2
-    assert sample_degree(_batch(2), 1, interleaved=False) is None
-    assert sample_degree(_batch(1, decode=False), 1, interleaved=False) is None
-    assert sample_degree(_batch(1), 2, interleaved=True) is None
-    assert sample_degree(None, 1, interleaved=False) is None
+def test_decode_steps_by_batch_size_and_prefill_steps_by_tokens():
+    assert sample_of(_batch(1), 2, interleaved=False) == (2, "decode", 1)
+    assert sample_of(_batch(5), 1, interleaved=False) == (1, "decode", 5)
+    assert sample_of(_batch(2, decode=False, tokens=300), 1, False) == (1, "prefill", 300)
+    assert sample_of(_batch(2, decode=False, tokens=300, mixed=True), 1, False) is None
+    assert sample_of(_batch(1), 2, interleaved=True) is None
+    assert sample_of(None, 1, interleaved=False) is None
+
+
+def test_buckets():
+    assert [bucket("decode", b) for b in (1, 2, 3, 4, 5, 8, 9)] == [1, 2, 3, 4, 8, 8, 16]
+    assert [bucket("prefill", t) for t in (1, 16, 17, 300)] == [16, 16, 32, 512]
+
+
+def test_curves_keep_a_point_per_bucket_with_its_mean_work():
+    clock = StepClock()
+    for _ in range(8):
+        clock.record(1, 10.0, "decode", 1)
+        clock.record(1, 14.0, "decode", 6)
+        clock.record(1, 15.0, "decode", 8)
+        clock.record(2, 30.0, "prefill", 100)
+    curves = clock.curves()
+    assert curves[1]["decode"] == [[1.0, 10.0], [7.0, 14.0]]  # 6 and 8 share a bucket
+    assert curves[2]["prefill"] == [[100.0, 30.0]]
+    assert clock.decode_ms() == {1: 10.0}  # batch-1 decode only
+    assert clock.samples() == {1: 8}
 
 
 def test_cost_is_a_low_percentile_so_a_burst_does_not_charge_one_mode():
@@ -65,7 +86,7 @@ def test_boundary_label_measures_the_interval_between_boundaries(monkeypatch):
     monkeypatch.setattr(sc.time, "perf_counter", lambda: next(now))
     clock = StepClock()
     started = clock.boundary()  # 1.000
-    clock.label(1, started)
+    clock.label((1, "decode", 1), started)
     started = clock.boundary()  # 1.010: a 10 ms DP sample
     clock.label(None, started)  # this step is not a sample
     clock.boundary()  # 1.030: nothing recorded

@@ -1,0 +1,158 @@
+"""Measured step costs per mode, as curves: what a step costs against what it does.
+
+The engines time every step they run (``flying.session.step_costs``) and key it by
+mode (degree; 1 = one engine in DP) and by what the step did: a decode step by its
+batch size, a prefill (extend) step by its new tokens. Each key keeps the lowest value
+its windowed low percentile has reached (the step's own cost on a quiet machine, not
+its cost while other processes share the cores). Here those points become curves:
+
+- ``decode(degree, batch)``: ms of one decode step of ``batch`` running requests;
+- ``prefill(degree, tokens)``: ms of one extend step of ``tokens`` new tokens.
+
+Both are piecewise linear through the measured points (below the first point: its
+value; beyond the last: the last segment's slope, never negative). A mode measured at
+one point only borrows its shape from DP's curve, scaled to pass through its own point
+(the start-up probe measures every mode; traffic fills in the rest, DP first since it
+runs most): the ratio of a TP step to a DP step at the same work is what is known.
+
+Pure: no torch, no sockets. ``Costs.decode_ms`` (single-request decode per degree)
+is kept as it was: the test "is a group faster per step" for latency-first requests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+Point = tuple[float, float]  # (work: batch size or tokens, ms)
+
+#: Prefill per token as a fraction of a single-request decode step, used only while no
+#: mode has measured a prefill (the first requests after start-up): a small model on
+#: a CPU prefills ~50-200 tokens in the time of one decode step; the value only has to
+#: keep predictions finite until the first extend step is measured.
+PREFILL_TOKENS_PER_DECODE = 64.0
+
+
+def interpolate(points: tuple[Point, ...], x: float) -> float:
+    """Piecewise-linear value at ``x`` through ``points`` (ascending in x): flat below
+    the first point, the last segment's slope (>= 0) beyond the last."""
+    if not points:
+        raise ValueError("no points")
+    if len(points) == 1 or x <= points[0][0]:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:], strict=False):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0) if x1 > x0 else y1
+    (x0, y0), (x1, y1) = points[-2], points[-1]
+    slope = max(0.0, (y1 - y0) / (x1 - x0)) if x1 > x0 else 0.0
+    return y1 + slope * (x - x1)
+
+
+def _points(raw: Iterable) -> tuple[Point, ...]:
+    """Sorted (x, ms) points, one per x (the lower ms where x repeats)."""
+    best: dict[float, float] = {}
+    for x, ms in raw:
+        x, ms = float(x), float(ms)
+        if x > 0 and ms > 0:
+            best[x] = min(ms, best.get(x, ms))
+    return tuple(sorted(best.items()))
+
+
+@dataclass(frozen=True)
+class Curve:
+    """One mode's measured points: decode (batch size, ms) and prefill (tokens, ms)."""
+
+    decode: tuple[Point, ...] = ()
+    prefill: tuple[Point, ...] = ()
+
+    @staticmethod
+    def of(decode: Iterable = (), prefill: Iterable = ()) -> Curve:
+        return Curve(_points(decode), _points(prefill))
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Measured step costs, per degree (1 = one engine in DP).
+
+    ``decode_ms``: the single-request decode step (the latency test); ``curves``: the
+    points behind ``decode`` and ``prefill`` (absent for a degree not yet measured at
+    more than batch 1; ``decode_ms`` then stands for its only point)."""
+
+    decode_ms: dict[int, float]
+    curves: dict[int, Curve] = field(default_factory=dict)
+
+    # -- the latency test -----------------------------------------------------------
+
+    def gain(self, degree: int) -> float | None:
+        """How much faster a TP-``degree`` step is than one engine's (0.2 = 20 %
+        faster, negative = slower); None if either is unmeasured."""
+        dp, tp = self.decode_ms.get(1), self.decode_ms.get(degree)
+        if not dp or not tp:
+            return None
+        return 1.0 - tp / dp
+
+    def describe(self, degree: int) -> str:
+        return (
+            f"TP-{degree} decode step {self.decode_ms.get(degree, 0):.2f} ms vs "
+            f"{self.decode_ms.get(1, 0):.2f} ms on one engine"
+        )
+
+    # -- curves ---------------------------------------------------------------------
+
+    def known(self, degree: int) -> bool:
+        return bool(self.decode_ms.get(degree)) or bool(self._own(degree, "decode"))
+
+    def _own(self, degree: int, kind: str) -> tuple[Point, ...]:
+        curve = self.curves.get(degree)
+        points = getattr(curve, kind) if curve is not None else ()
+        if kind == "decode" and not points and self.decode_ms.get(degree):
+            points = ((1.0, self.decode_ms[degree]),)
+        return points
+
+    def _value(self, degree: int, kind: str, x: float) -> float | None:
+        own, dp = self._own(degree, kind), self._own(1, kind)
+        if len(own) >= 2 or (own and len(dp) < 2):
+            return interpolate(own, x)
+        if own:  # one point: DP's shape through it
+            x0, y0 = own[0]
+            return interpolate(dp, x) * y0 / interpolate(dp, x0)
+        if kind == "prefill" and dp:  # no prefill measured: DP's, scaled by decode
+            ratio = (self.decode(degree, 1) or 0) / (self.decode(1, 1) or 1)
+            return interpolate(dp, x) * ratio if ratio > 0 else None
+        return None
+
+    def decode(self, degree: int, batch: float) -> float | None:
+        """ms of one decode step of ``batch`` requests in mode ``degree`` (None:
+        unmeasured)."""
+        return self._value(degree, "decode", max(1.0, batch))
+
+    def prefill(self, degree: int, tokens: float) -> float | None:
+        """ms of one extend step of ``tokens`` new tokens in mode ``degree``; before any
+        prefill is measured, a guess from the decode step (PREFILL_TOKENS_PER_DECODE)."""
+        value = self._value(degree, "prefill", max(1.0, tokens))
+        if value is None:
+            one = self.decode(degree, 1)
+            value = None if one is None else one * (1.0 + tokens / PREFILL_TOKENS_PER_DECODE)
+        return value
+
+    # -- JSON (status documents, the decision log) ----------------------------------
+
+    def to_json(self) -> dict:
+        doc: dict = {"decode_ms": {str(d): ms for d, ms in sorted(self.decode_ms.items())}}
+        if self.curves:
+            doc["curves"] = {
+                str(d): {"decode": [list(p) for p in c.decode],
+                         "prefill": [list(p) for p in c.prefill]}
+                for d, c in sorted(self.curves.items())
+            }
+        return doc
+
+    @staticmethod
+    def from_json(doc: dict | None) -> Costs | None:
+        if doc is None:
+            return None
+        curves = {
+            int(d): Curve.of(c.get("decode", ()), c.get("prefill", ()))
+            for d, c in (doc.get("curves") or {}).items()
+        }
+        return Costs({int(k): float(v) for k, v in doc.get("decode_ms", {}).items()}, curves)

@@ -1,0 +1,186 @@
+"""The adaptive policy's layout: the one predicted to serve the most requests within SLO.
+
+At each decision the chooser predicts every layout's service (``scheduler.service``) at
+the rate the node is about to serve (``scheduler.traffic``) with the queue it has, and
+keeps or changes its layout:
+
+- the best layout is the one with the highest predicted goodput; layouts within
+  ``GOODPUT_TIE`` of it count as equal, and among equals the lowest predicted
+  end-to-end latency (TTFT + output x TPOT) wins, but a layout with groups only where
+  it is faster by ``latency_gain`` (the ``--flying-tp-gain`` margin: a group that is
+  barely faster does not earn back forming it);
+- it switches only when the gain over the expected phase outlasts the switch: a
+  goodput gain ``dG`` (req/s) over ``horizon_s`` seconds must exceed the requests the
+  switch delays (those running and those arriving during it) weighted by the share of
+  the TTFT SLO the switch's time takes (``switch_cost``); a latency gain likewise, in
+  request-milliseconds;
+- hysteresis: a goodput gain must exceed ``GOODPUT_MARGIN`` of the current layout's
+  goodput across the rate estimate's uncertainty (at the rate, and one standard
+  error below and above it: a Poisson stream's 30 s window varies by +-15 % at 1.5
+  req/s), a change for latency must not lose goodput, and a layout is kept at least
+  ``DWELL_S`` seconds, so a steady rate near the crossover does not flap;
+- the layouts are evaluated at most every ``EVALUATE_S`` (requests in between take
+  the current layout), with each degree's capacity cached for the costs and the
+  request sizes (two significant digits), so a decision costs microseconds.
+
+Pure and replayable: the state is the current layout and when it was taken; every
+input comes in the call (and is written to the decision log by the caller).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scheduler.costs import Costs
+from scheduler.service import Layout, Prediction, Slo, layouts, predict
+from scheduler.traffic import Traffic
+
+#: Goodputs this close (relative) are a tie, decided by latency.
+GOODPUT_TIE = 0.02
+#: A goodput gain must be at least this share of the current layout's goodput.
+GOODPUT_MARGIN = 0.05
+#: The least time a layout is kept once taken (seconds).
+DWELL_S = 5.0
+#: How often the layouts are evaluated (seconds).
+EVALUATE_S = 0.25
+
+
+def _sig2(x: float) -> float:
+    """``x`` to two significant digits (request sizes: the capacity cache's key)."""
+    return float(f"{x:.2g}")
+
+
+@dataclass(frozen=True)
+class SwitchCosts:
+    """What changing layout costs, as the engines measured it (defaults: this machine's
+    demo-model figures in docs/BENCHMARKS.md, until a switch has been measured)."""
+
+    bind_ms: float = 2.0  # bind -> first group step
+    move_ms_per_ktok: float = 10.0  # moving running requests' KV between layouts
+
+    def of(self, in_flight_tokens: float) -> float:
+        return self.bind_ms + self.move_ms_per_ktok * in_flight_tokens / 1000.0
+
+
+@dataclass(frozen=True)
+class Choice:
+    layout: Layout
+    reason: str
+    predictions: dict[str, dict]
+
+
+class LayoutChooser:
+    def __init__(self, num_engines: int, degrees: tuple[int, ...], horizon_s: float,
+                 latency_gain: float, engine_kv_tokens: float):
+        self.candidates = layouts(num_engines, degrees)
+        self.current = self.candidates[0]  # DP until a group is shown to pay
+        self.since = float("-inf")
+        self.horizon_s = horizon_s
+        self.latency_gain = latency_gain
+        self.engine_kv_tokens = engine_kv_tokens
+        self._credit: dict[int, float] = {}
+        self._caps_for: tuple | None = None
+        self._caps: dict[int, float] = {}
+        self._last: Choice | None = None
+        self._evaluated = float("-inf")
+
+    def predict_all(self, costs: Costs, traffic: Traffic, queued: float, slo: Slo,
+                    rate: float | None = None) -> dict[Layout, Prediction]:
+        prompt, output = _sig2(traffic.prompt or 128.0), _sig2(traffic.output or 128.0)
+        if self._caps_for != (costs, prompt, output):
+            self._caps_for, self._caps = (costs, prompt, output), {}
+        out = {}
+        for layout in self.candidates:
+            p = predict(layout, costs, traffic.rate if rate is None else rate, prompt,
+                        output, queued, slo, self.horizon_s, self.engine_kv_tokens,
+                        self._caps)
+            if p is not None:
+                out[layout] = p
+        return out
+
+    def _robust_gain(self, best: Layout, costs: Costs, traffic: Traffic, queued: float,
+                     slo: Slo) -> float:
+        """The least goodput gain of ``best`` over the current layout across the rate
+        estimate's one-standard-error band."""
+        gains = []
+        for k in (-1.0, 1.0):
+            rate = max(0.0, traffic.rate * (1.0 + k * traffic.uncertainty))
+            preds = self.predict_all(costs, traffic, queued, slo, rate)
+            gains.append(preds[best].goodput - preds[self.current].goodput)
+        return min(gains)
+
+    def _best(self, preds: dict[Layout, Prediction], output: float) -> Layout:
+        top = max(p.goodput for p in preds.values())
+        equal = [lay for lay, p in preds.items() if p.goodput >= top * (1 - GOODPUT_TIE)]
+
+        def latency(lay: Layout) -> float:
+            p = preds[lay]
+            e2e = p.ttft_ms + output * p.tpot_ms
+            return e2e * (1 + self.latency_gain) if lay.groups else e2e
+
+        return min(equal, key=lambda lay: (latency(lay), lay.groups))
+
+    def choose(self, now: float, costs: Costs, traffic: Traffic, running: int, queued: int,
+               slo: Slo, switch: SwitchCosts) -> Choice:
+        if self._last is not None and now - self._evaluated < EVALUATE_S:
+            return self._last
+        self._evaluated = now
+        self._last = self._choose(now, costs, traffic, running, queued, slo, switch)
+        return self._last
+
+    def _choose(self, now: float, costs: Costs, traffic: Traffic, running: int, queued: int,
+                slo: Slo, switch: SwitchCosts) -> Choice:
+        preds = self.predict_all(costs, traffic, queued, slo)
+        briefs = {lay.name: p.brief() for lay, p in preds.items()}
+        if self.current not in preds:  # the current layout cannot be predicted: DP
+            self.current, self.since = self.candidates[0], now
+            return Choice(self.current, "goodput: a mode is unmeasured; DP", briefs)
+        output = traffic.output or 128.0
+        best = self._best(preds, output)
+        cur, new = preds[self.current], preds[best]
+        if best == self.current:
+            return Choice(self.current, f"goodput: {cur.layout} predicted best", briefs)
+        if now - self.since < DWELL_S:
+            return Choice(self.current, f"goodput: keep {cur.layout} (dwell)", briefs)
+        in_flight_tokens = running * ((traffic.prompt or 128.0) + output / 2)
+        cost_ms = switch.of(in_flight_tokens)
+        delayed = running + traffic.rate * cost_ms / 1000.0
+        gain = new.goodput - cur.goodput
+        tie = abs(gain) <= GOODPUT_TIE * max(new.goodput, cur.goodput)
+        if not tie and gain > GOODPUT_MARGIN * cur.goodput:
+            gain = self._robust_gain(best, costs, traffic, queued, slo)
+            if gain <= GOODPUT_MARGIN * cur.goodput:
+                return Choice(self.current, f"goodput: keep {cur.layout} ({best.name} "
+                              "not better across the rate's uncertainty)", briefs)
+            worth = gain * self.horizon_s > delayed * min(1.0, cost_ms / slo.ttft_ms)
+            kind = f"goodput {new.goodput:.2f} vs {cur.goodput:.2f} req/s"
+        elif not tie or new.goodput < cur.goodput:  # not for less goodput
+            return Choice(self.current, f"goodput: keep {cur.layout} (within "
+                          f"{GOODPUT_MARGIN:.0%} of {best.name})", briefs)
+        else:  # a tie on goodput, decided by latency
+            saved = (cur.ttft_ms + output * cur.tpot_ms) - (new.ttft_ms + output * new.tpot_ms)
+            worth = saved * traffic.rate * self.horizon_s > delayed * cost_ms
+            kind = f"latency {new.ttft_ms + output * new.tpot_ms:.0f} vs " \
+                   f"{cur.ttft_ms + output * cur.tpot_ms:.0f} ms"
+        if not worth:
+            return Choice(self.current, f"goodput: keep {cur.layout}: {best.name} gains "
+                          f"less than its switch ({cost_ms:.0f} ms)", briefs)
+        self.current, self.since = best, now
+        return Choice(best, f"goodput: {cur.layout} -> {best.name} ({kind})", briefs)
+
+    def route(self) -> int:
+        """The degree the next request runs at under the current layout: every request
+        in a group where all engines are grouped, none where none are; in a mixed
+        layout, groups and DP engines take requests in proportion to their number of
+        servers (smooth weighted round robin: deterministic, so replayable)."""
+        counts: dict[int, int] = {}
+        for d in self.current.servers:
+            counts[d] = counts.get(d, 0) + 1
+        if len(counts) == 1:
+            return next(iter(counts))
+        total = sum(counts.values())
+        for d, n in counts.items():
+            self._credit[d] = self._credit.get(d, 0.0) + n
+        pick = max(counts, key=lambda d: (self._credit[d], d))
+        self._credit[pick] -= total
+        return pick

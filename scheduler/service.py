@@ -1,0 +1,227 @@
+"""A small model of a layout's service: predicted TTFT, TPOT, output rate and goodput.
+
+A *layout* splits the node's engines into servers: TP groups of some degree and single
+engines (DP). Each server is SGLang's continuous batching on its own KV; arrivals are
+spread over the servers in proportion to what each can serve. Per server, at arrival
+rate ``lam`` (req/s) of requests with ``P`` prompt and ``O`` output tokens:
+
+- prefill: SGLang runs an extend step for new requests before the next decode step,
+  so prefills take ``rho = lam * prefill(P)`` of the server's time and queue among
+  themselves (M/D/1: mean wait ``rho * S / (2 (1 - rho))``);
+- decode: the running batch ``B`` satisfies Little's law ``B = lam * O * TPOT`` with
+  ``TPOT = decode(B) / (1 - rho)`` (prefill steps stretch the gaps between tokens); the
+  smallest fixed point, found by iteration from ``B = 1``. None below ``B_max`` (the
+  KV the server holds) means the server is saturated;
+- TTFT: the rest of the step in flight, the prefill queue and the waiting requests
+  already at the node, then its own prefill;
+- within SLO: ``P(TTFT <= slo)`` with an exponential queueing tail (M/M/1 shape:
+  ``P(wait > t) = rho exp(-(1 - rho) t / S)``) times a TPOT factor that falls from 1
+  to 0 between 0.9x and 1.1x the TPOT SLO (batches fluctuate around ``B``);
+- saturated (``lam`` above the capacity ``mu``): the queue grows for the whole phase
+  (``horizon_s``); requests meet the TTFT SLO only while the queue's wait is below it,
+  i.e. those arriving in the first ``t* = slack * mu / (lam - mu)`` seconds.
+
+Goodput is requests per second that meet both SLOs (SGLang's benchmark definition).
+The model is small on purpose: its inputs are the measured cost curves
+(``scheduler.costs``) and the arrival estimate (``scheduler.traffic``), its error
+against measured runs is reported in docs/BENCHMARKS.md. Pure: no torch, no sockets.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from scheduler.costs import Costs
+
+#: Fixed-point iterations for the decode batch (converges in a few where it exists).
+ITERATIONS = 60
+#: Requests a server may run at once beyond what its KV holds (SGLang's own cap on
+#: running requests; a KV bound is usually tighter).
+MAX_RUNNING = 256
+
+
+@dataclass(frozen=True)
+class Slo:
+    ttft_ms: float
+    tpot_ms: float
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Servers by degree, largest first: (2,) is one TP-2 group, (1, 1) DP on two
+    engines, (2, 1, 1) a TP-2 group beside two DP engines."""
+
+    servers: tuple[int, ...]
+
+    @property
+    def name(self) -> str:
+        parts = []
+        for degree in sorted(set(self.servers), reverse=True):
+            n = self.servers.count(degree)
+            parts.append(f"{n}xDP" if degree == 1 else f"{n}xTP{degree}")
+        return "+".join(parts)
+
+    @property
+    def tp_degree(self) -> int:
+        """The degree of this layout's groups (1: none)."""
+        return max(self.servers)
+
+    @property
+    def groups(self) -> int:
+        return sum(1 for d in self.servers if d > 1)
+
+
+def layouts(num_engines: int, degrees: tuple[int, ...]) -> list[Layout]:
+    """DP, every degree's all-groups layout, and on 4+ engines the mixed layouts of k
+    groups of one degree beside DP engines (aligned groups first)."""
+    found = [Layout((1,) * num_engines)]
+    for m in degrees:
+        for k in range(1, num_engines // m + 1):
+            dp = num_engines - k * m
+            if dp and num_engines < 4:
+                continue
+            found.append(Layout((m,) * k + (1,) * dp))
+    return found
+
+
+@dataclass(frozen=True)
+class Prediction:
+    layout: str
+    ttft_ms: float
+    tpot_ms: float
+    goodput: float  # req/s within both SLOs
+    throughput: float  # output tok/s
+    saturated: bool
+
+    def brief(self) -> dict:
+        return {
+            "goodput": round(self.goodput, 3), "ttft_ms": round(self.ttft_ms, 1),
+            "tpot_ms": round(self.tpot_ms, 2), "tok_s": round(self.throughput, 1),
+            "saturated": self.saturated,
+        }
+
+
+@dataclass(frozen=True)
+class _Server:
+    ttft_ms: float
+    tpot_ms: float
+    goodput: float
+    throughput: float
+    saturated: bool
+
+
+def _batch(costs: Costs, degree: int, lam: float, out: float, free: float, cap: float):
+    """The decode batch's fixed point (None: saturated)."""
+    b = 1.0
+    for _ in range(ITERATIONS):
+        nxt = max(1.0, lam * out * (costs.decode(degree, b) or 0.0) / (1000.0 * free))
+        if nxt > cap:
+            return None
+        if abs(nxt - b) < 1e-3:
+            return nxt
+        b = nxt
+    return b if b <= cap else None
+
+
+def _capacity(costs: Costs, degree: int, prompt: float, out: float, cap: float) -> float:
+    """The highest arrival rate (req/s) the server serves without saturating."""
+    lo, hi = 0.0, 1.0
+    while _serve(costs, degree, hi, prompt, out, cap) is not None and hi < 1e6:
+        lo, hi = hi, hi * 2
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if _serve(costs, degree, mid, prompt, out, cap) is not None else (lo, mid)
+    return lo
+
+
+def _serve(costs: Costs, degree: int, lam: float, prompt: float, out: float, cap: float):
+    """(prefill ms, prefill utilisation, batch, decode step ms) or None if saturated."""
+    pre = costs.prefill(degree, prompt) or 0.0
+    rho = lam * pre / 1000.0
+    if rho >= 1.0:
+        return None
+    b = _batch(costs, degree, lam, out, 1.0 - rho, cap)
+    if b is None:
+        return None
+    return pre, rho, b, costs.decode(degree, b) or 0.0
+
+
+def _tpot_factor(tpot: float, slo: float) -> float:
+    return min(1.0, max(0.0, (1.1 * slo - tpot) / (0.2 * slo)))
+
+
+def _server(
+    costs: Costs, degree: int, lam: float, prompt: float, out: float, queued: float,
+    slo: Slo, horizon_s: float, cap: float, mu: float,
+) -> _Server:
+    served = _serve(costs, degree, lam, prompt, out, cap) if lam < mu else None
+    if served is not None:
+        pre, rho, b, step = served
+        tpot = step / (1.0 - rho)
+        backlog = queued * pre
+        wait = rho * pre / (2.0 * (1.0 - rho))
+        ttft = step / 2.0 + wait + backlog + pre
+        slack = slo.ttft_ms - (step / 2.0 + backlog + pre)
+        p_ttft = 0.0 if slack < 0 else 1.0 - rho * math.exp(-(1.0 - rho) * slack / max(pre, 1e-6))
+        good = lam * p_ttft * _tpot_factor(tpot, slo.tpot_ms)
+        return _Server(ttft, tpot, good, lam * out, False)
+    at_mu = _serve(costs, degree, mu * 0.999, prompt, out, cap) if mu > 0 else None
+    if at_mu is None:  # cannot serve even one request at a time
+        return _Server(math.inf, math.inf, 0.0, 0.0, True)
+    pre, rho, _, step = at_mu
+    tpot = step / (1.0 - rho)
+    base = step / 2.0 + pre + queued * pre
+    growth = max(1e-6, (lam - mu) / mu)  # seconds of wait added per second of the phase
+    meet_s = max(0.0, (slo.ttft_ms - base) / 1000.0) / growth
+    share = min(1.0, meet_s / horizon_s)
+    ttft = base + 1000.0 * growth * horizon_s / 2.0  # the mean over the phase
+    good = lam * share * _tpot_factor(tpot, slo.tpot_ms)
+    return _Server(ttft, tpot, min(good, mu), mu * out, True)
+
+
+def predict(
+    layout: Layout, costs: Costs, rate: float, prompt: float, output: float,
+    queued: float, slo: Slo, horizon_s: float, engine_kv_tokens: float,
+    capacities: dict[int, float] | None = None,
+) -> Prediction | None:
+    """The layout's predicted service (None: a mode it uses is unmeasured). ``rate`` in
+    req/s, ``prompt``/``output`` mean tokens, ``queued`` requests already waiting at
+    the node, ``engine_kv_tokens`` KV slots of one engine (a TP-m group pools m).
+    ``capacities``: a cache of each degree's capacity (req/s) for these costs and
+    sizes, shared by calls that differ only in rate and queue."""
+    if not all(costs.known(d) for d in set(layout.servers)):
+        return None
+    prompt, output = max(1.0, prompt), max(1.0, output)
+    known = {} if capacities is None else capacities
+    for d in set(layout.servers):
+        if d not in known:
+            known[d] = _capacity(costs, d, prompt, output, _cap(d, engine_kv_tokens, prompt, output))
+    caps = [known[d] for d in layout.servers]
+    total = sum(caps) or 1.0
+    results = [
+        _server(costs, d, rate * c / total, prompt, output, queued * c / total, slo,
+                horizon_s, _cap(d, engine_kv_tokens, prompt, output), c)
+        for d, c in zip(layout.servers, caps, strict=True)
+    ]
+    shares = [c / total for c in caps]
+    return Prediction(
+        layout=layout.name,
+        ttft_ms=sum(s * r.ttft_ms for s, r in zip(shares, results, strict=True)),
+        tpot_ms=sum(s * r.tpot_ms for s, r in zip(shares, results, strict=True)),
+        goodput=sum(r.goodput for r in results),
+        throughput=sum(r.throughput for r in results),
+        saturated=any(r.saturated for r in results),
+    )
+
+
+def _cap(degree: int, engine_kv_tokens: float, prompt: float, out: float) -> float:
+    return min(MAX_RUNNING, max(1.0, degree * engine_kv_tokens / (prompt + out)))
+
+
+def quiet(costs: Costs, degree: int, prompt: float) -> tuple[float, float] | None:
+    """(TTFT, TPOT) in ms of one request alone on a server of ``degree``."""
+    if not costs.known(degree):
+        return None
+    step = costs.decode(degree, 1) or 0.0
+    return (costs.prefill(degree, prompt) or 0.0) + step / 2.0, step

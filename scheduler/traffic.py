@@ -1,0 +1,135 @@
+"""What is arriving: arrival rates over a short and a long window, and request sizes.
+
+The layout choice (``scheduler.layouts``) predicts each layout's service at the load
+the node is about to have, not only the queue it has already built: a burst shows in
+the short window's rate seconds before it shows as waiting requests. The long window
+says what the node has been serving; the short one, what it is being sent now.
+
+Pure and replayable: every call takes ``now`` (seconds, any monotonic origin), so the
+decision log can carry the estimator's output (``Traffic``) and a replay feeds the
+same values to the policy.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+#: Window lengths in seconds: short (what arrives now) and long (what the node serves).
+SHORT_S = 3.0
+LONG_S = 30.0
+#: Expected output tokens of a request without max_new_tokens (a chat request without
+#: max_tokens), for the rate of work only: what such requests produce is not known at
+#: arrival; SGLang's own /generate default is 128.
+UNBOUNDED_OUTPUT = 256
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """The arrival estimate at one instant (rates in req/s; prompt and output: mean
+    tokens per request over the long window)."""
+
+    now: float = 0.0  # the instant of the estimate (s)
+    rate_short: float = 0.0
+    rate_long: float = 0.0
+    prompt: float = 0.0
+    output: float = 0.0
+    n_short: int = 0  # arrivals behind each rate
+    n_long: int = 0
+
+    @property
+    def short(self) -> bool:
+        """Whether ``rate`` is the short window's (a change of phase)."""
+        expected = self.rate_long * SHORT_S
+        seen = round(self.rate_short * SHORT_S)
+        if expected <= 0:
+            return True
+        return _tail_above(seen, expected) < SIGNIFICANCE or _tail_below(seen, expected) < SIGNIFICANCE
+
+    @property
+    def uncertainty(self) -> float:
+        """The rate's relative standard error (Poisson: 1 / sqrt(arrivals behind it))."""
+        return 1.0 / math.sqrt(max(1, self.n_short if self.short else self.n_long))
+
+    @property
+    def rate(self) -> float:
+        """The rate the node is about to serve: the long window's, unless the short
+        window's count is one a Poisson stream at the long rate would show less than
+        ``SIGNIFICANCE`` of the time (a burst starting, or one ending): then the short
+        window's. A steady rate's short-window noise (+-45 % at 5 arrivals per window)
+        is not a change of phase."""
+        return self.rate_short if self.short else self.rate_long
+
+
+#: How unlikely a short-window count must be under the long rate to count as a change.
+SIGNIFICANCE = 0.02
+
+
+def _pmf(k: int, mean: float) -> float:
+    return math.exp(k * math.log(mean) - mean - math.lgamma(k + 1))
+
+
+def _tail_below(k: int, mean: float) -> float:
+    """P(X <= k) for X ~ Poisson(mean)."""
+    return sum(_pmf(i, mean) for i in range(max(0, k) + 1))
+
+
+def _tail_above(k: int, mean: float) -> float:
+    """P(X >= k) for X ~ Poisson(mean)."""
+    return max(0.0, 1.0 - _tail_below(k - 1, mean)) if k > 0 else 1.0
+
+
+class Arrivals:
+    """Arrival times and sizes of the current phase, within the long window (one per
+    request passing the DP controller).
+
+    A phase starts where the short window's rate departs significantly from the long
+    one's (``Traffic.short``): from then on the long window counts only arrivals since
+    the short window's start, so a burst that ended does not keep the long rate up for
+    the next 30 s, and a burst's own rate settles within seconds."""
+
+    def __init__(self, short_s: float = SHORT_S, long_s: float = LONG_S):
+        self.short_s, self.long_s = short_s, long_s
+        self._seen: deque[tuple[float, int, int]] = deque()
+        self._start: float | None = None  # the first arrival, or the phase's start
+
+    def note(self, now: float, prompt_len: int, max_new_tokens: int | None) -> None:
+        output = UNBOUNDED_OUTPUT if max_new_tokens is None else max(1, max_new_tokens)
+        self._seen.append((now, prompt_len, output))
+        if self._start is None:
+            self._start = now
+        self._trim(now)
+
+    def _trim(self, now: float) -> None:
+        start = max(now - self.long_s, now if self._start is None else self._start)
+        while self._seen and self._seen[0][0] < start:
+            self._seen.popleft()
+
+    def traffic(self, now: float) -> Traffic:
+        """The estimate at ``now`` (and a new phase if it starts here). A window longer
+        than the phase so far is shortened to it, but to at least 1 s (one request is
+        not an infinite rate)."""
+        estimate = self._estimate(now)
+        if estimate.n_long and estimate.short and self._start is not None \
+                and self._start < now - self.short_s:
+            self._start = now - self.short_s
+            estimate = self._estimate(now)
+        return estimate
+
+    def _estimate(self, now: float) -> Traffic:
+        self._trim(now)
+        if not self._seen or self._start is None:
+            return Traffic(now)
+        age = max(1.0, now - self._start)
+        short = sum(1 for t, _, _ in self._seen if t >= now - self.short_s)
+        n = len(self._seen)
+        return Traffic(
+            now,
+            rate_short=round(short / min(self.short_s, age), 4),
+            rate_long=round(n / min(self.long_s, age), 4),
+            prompt=round(sum(p for _, p, _ in self._seen) / n, 2),
+            output=round(sum(o for _, _, o in self._seen) / n, 2),
+            n_short=short,
+            n_long=n,
+        )

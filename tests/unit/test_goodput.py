@@ -1,0 +1,205 @@
+"""The adaptive policy serves goodput: cost curves, the service model, the layout choice.
+
+Synthetic cost curves stand for the two kinds of node the benchmarks run: one where a
+TP-2 group is faster than one engine at every batch size (its step halves the compute),
+and one where the group is faster alone but scales worse (its step grows faster with
+the batch, so two DP engines serve more under load).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from scheduler.costs import Costs, Curve, interpolate
+from scheduler.layout_choice import DWELL_S, LayoutChooser, SwitchCosts
+from scheduler.policy import EngineLoad, Node, Policy, PolicyConfig, Request, derive_slo
+from scheduler.replay import record, replay
+from scheduler.service import Layout, Slo, layouts, predict
+from scheduler.traffic import Arrivals, Traffic
+
+pytestmark = pytest.mark.unit
+
+NODE = Node(num_engines=2, degrees=(2,), engine_capacity=4000, engine_slots=4096)
+
+
+def curves(dp: tuple[float, float], tp: tuple[float, float], pre: tuple[float, float]) -> Costs:
+    """Linear curves ``a + b * batch`` for DP and TP-2 decode; prefill per token for DP,
+    the group's prefill at the decode ratio."""
+    dp_a, dp_b = dp
+    tp_a, tp_b = tp
+    pre_a, pre_b = pre
+    return Costs(
+        {1: dp_a + dp_b, 2: tp_a + tp_b},
+        {
+            1: Curve.of([(b, dp_a + dp_b * b) for b in (1, 4, 16, 64)],
+                        [(t, pre_a + pre_b * t) for t in (16, 128, 1024)]),
+            2: Curve.of([(b, tp_a + tp_b * b) for b in (1, 4, 16, 64)],
+                        [(t, (pre_a + pre_b * t) * 0.6) for t in (16, 128, 1024)]),
+        },
+    )
+
+
+#: a group faster at every batch size (h1024-like: compute halves, some collective cost)
+TP_ALWAYS = curves(dp=(38.0, 2.0), tp=(24.0, 1.0), pre=(5.0, 0.6))
+#: a group faster alone, worse under load (its step grows 4x faster with the batch)
+TP_LIGHT = curves(dp=(38.0, 1.0), tp=(26.0, 4.0), pre=(5.0, 0.6))
+#: a group slower than one engine (the demo model on a CPU)
+TP_SLOW = curves(dp=(5.0, 0.2), tp=(6.0, 0.2), pre=(1.0, 0.05))
+SLO = Slo(ttft_ms=1500.0, tpot_ms=60.0)
+
+
+def test_interpolation_is_piecewise_linear_and_extends_the_last_slope():
+    pts = ((1.0, 10.0), (4.0, 16.0))
+    assert interpolate(pts, 0.5) == 10.0
+    assert interpolate(pts, 2.5) == 13.0
+    assert interpolate(pts, 10.0) == 28.0
+    assert interpolate(((1.0, 5.0),), 9.0) == 5.0
+
+
+def test_a_mode_measured_at_one_point_borrows_dp_shape():
+    costs = Costs({1: 10.0, 2: 8.0}, {1: Curve.of([(1, 10), (8, 20)], [(100, 30)])})
+    assert costs.decode(2, 1) == 8.0
+    assert costs.decode(2, 8) == pytest.approx(16.0)  # DP's shape through TP's point
+    assert costs.prefill(2, 100) == pytest.approx(24.0)  # DP's prefill at the decode ratio
+    assert costs.decode(4, 1) is None and not costs.known(4)
+
+
+def test_costs_json_round_trip():
+    doc = json.loads(json.dumps(TP_ALWAYS.to_json()))
+    assert Costs.from_json(doc) == TP_ALWAYS
+
+
+def test_arrival_rates_short_and_long_windows():
+    arrivals = Arrivals(short_s=3.0, long_s=30.0)
+    for i in range(20):  # 0.5 req/s for 40 s: the long window keeps the last 30 s
+        arrivals.note(i * 2.0, 100, 50)
+    quiet = arrivals.traffic(40.0)
+    assert quiet.rate_long == pytest.approx(0.5, abs=0.05)
+    for i in range(12):  # a burst: 6 req/s for 2 s
+        arrivals.note(40.0 + i / 6, 200, None)
+    burst = arrivals.traffic(42.0)
+    # a new phase: the quiet arrivals no longer count, the burst's rate is the rate
+    assert burst.rate == pytest.approx(4.0) and burst.n_long == 12 and burst.prompt == 200
+    steady = Traffic(0.0, rate_short=0.8, rate_long=0.5)  # noise of a steady rate
+    assert steady.rate == 0.5
+    ended = Traffic(0.0, rate_short=0.0, rate_long=4.0)  # nothing for 3 s at 4 req/s
+    assert ended.rate == 0.0
+    assert burst.output > 50  # requests without a bound count at UNBOUNDED_OUTPUT
+
+
+def test_service_model_saturates_and_goodput_follows_the_slo():
+    dp = Layout((1, 1))
+    low = predict(dp, TP_SLOW, 1.0, 128, 64, 0, SLO, 10, 4096)
+    high = predict(dp, TP_SLOW, 400.0, 128, 64, 0, SLO, 10, 4096)
+    assert low is not None and high is not None
+    assert not low.saturated and low.goodput == pytest.approx(1.0, rel=0.01)
+    assert high.saturated and high.goodput < 400.0 and high.ttft_ms > low.ttft_ms
+    tight = predict(dp, TP_SLOW, 1.0, 128, 64, 0, Slo(1500.0, 1.0), 10, 4096)
+    assert tight is not None and tight.goodput == 0.0  # TPOT above its SLO: nothing counts
+
+
+def test_layouts_mixed_only_on_four_or_more_engines():
+    assert [lay.name for lay in layouts(2, (2,))] == ["2xDP", "1xTP2"]
+    assert [lay.name for lay in layouts(4, (2, 4))] == [
+        "4xDP", "1xTP2+2xDP", "2xTP2", "1xTP4"]
+
+
+def _run(costs: Costs, phases: list[tuple[float, float]], switch: SwitchCosts | None = None, seed=0,
+         running_per_rate: float = 2.0) -> list[tuple[float, str]]:
+    """Drive the adaptive policy through phases of (seconds, req/s) Poisson arrivals;
+    (time, layout) at each arrival. Loads follow the rate (a node under a burst runs
+    and queues more)."""
+    rng = random.Random(seed)
+    policy = Policy(PolicyConfig("adaptive").validate(), NODE)
+    arrivals, t, out = Arrivals(), 0.0, []
+    for length, rate in phases:
+        end = t + length
+        while True:
+            t += rng.expovariate(rate)
+            if t >= end:
+                t = end
+                break
+            arrivals.note(t, 128, 64)
+            traffic = arrivals.traffic(t)
+            running = int(traffic.rate * running_per_rate)
+            loads = [EngineLoad(0, running // 2, 0), EngineLoad(1, running - running // 2, 0)]
+            policy.decide(Request(128, 64), loads, costs, traffic, switch or SwitchCosts())
+            out.append((t, policy.chooser.current.name))
+    return out
+
+
+def _during(trace, start, end, settle=DWELL_S + 3):
+    """Layouts taken in [start + settle, end): a phase, once the estimate has seen it."""
+    return {name for t, name in trace if start + settle <= t < end}
+
+
+BURSTY = [(30.0, 0.25), (10.0, 6.0), (30.0, 0.25)]
+
+
+def test_a_group_faster_at_every_load_is_kept_through_a_burst():
+    trace = _run(TP_ALWAYS, BURSTY)
+    assert {name for _, name in trace[3:]} == {"1xTP2"}
+
+
+def test_a_group_worse_under_load_is_left_for_the_burst_and_taken_back_after():
+    trace = _run(TP_LIGHT, BURSTY)
+    assert _during(trace, 0, 30, settle=15) == {"1xTP2"}  # a few arrivals in: quiet
+    assert _during(trace, 30, 40) == {"2xDP"}
+    assert trace[-1][1] == "1xTP2"  # the quiet phase after it
+
+
+def test_a_group_slower_than_one_engine_is_never_formed():
+    trace = _run(TP_SLOW, BURSTY)
+    assert {name for _, name in trace} == {"2xDP"}
+
+
+def test_a_switch_costing_more_than_it_gains_is_not_taken():
+    dear = SwitchCosts(bind_ms=2.0, move_ms_per_ktok=1e6)  # moving KV: ~forever
+    trace = _run(TP_LIGHT, BURSTY, switch=dear)
+    # the quiet start has nothing running (free to group); under the burst, leaving
+    # the group would move the running requests' KV at that price: not taken
+    assert _during(trace, 30, 40) == {"1xTP2"}
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_steady_rate_near_the_crossover_does_not_flap(seed):
+    # find the rate where the layouts' predictions cross, then hold it
+    chooser = LayoutChooser(2, (2,), 10.0, 0.1, 4096)
+    cross = next(r / 10 for r in range(1, 200)
+                 if chooser.predict_all(TP_LIGHT, Traffic(0, r / 10, r / 10, 128, 64), 0, SLO)
+                 [Layout((1, 1))].goodput > chooser.predict_all(
+                     TP_LIGHT, Traffic(0, r / 10, r / 10, 128, 64), 0, SLO)[Layout((2,))].goodput)
+    trace = _run(TP_LIGHT, [(120.0, cross)], seed=seed)
+    changes = [b[0] for a, b in zip(trace, trace[1:], strict=False) if a[1] != b[1]]
+    assert len(changes) <= 3, (cross, changes)
+    assert all(b - a >= 5.0 for a, b in zip(changes, changes[1:], strict=False)), changes
+
+
+def test_slo_derived_from_the_quiet_service_unless_configured():
+    slo = derive_slo(PolicyConfig(), TP_ALWAYS, (2,))
+    quiet_ttft = TP_ALWAYS.prefill(2, 256) + TP_ALWAYS.decode(2, 1) / 2
+    assert slo == Slo(round(4 * quiet_ttft, 1), round(1.5 * TP_ALWAYS.decode(2, 1), 2))
+    assert derive_slo(PolicyConfig(slo_ttft_ms=900.0), TP_ALWAYS, (2,)).ttft_ms == 900.0
+    assert derive_slo(PolicyConfig(), None, (2,)) is None
+
+
+def test_goodput_decisions_replay_from_the_log():
+    policy = Policy(PolicyConfig("adaptive").validate(), NODE)
+    arrivals, lines, rng, t = Arrivals(), [], random.Random(5), 0.0
+    for rate in [0.3] * 10 + [8.0] * 60 + [0.3] * 10:
+        t += rng.expovariate(rate)
+        arrivals.note(t, 128, 64)
+        traffic = arrivals.traffic(t)
+        loads = [EngineLoad(0, int(rate), 0), EngineLoad(1, int(rate), 1)]
+        decision = policy.decide(Request(128, 64), loads, TP_LIGHT, traffic, SwitchCosts())
+        lines.append(record(Request(128, 64), loads, decision, TP_LIGHT, traffic,
+                            SwitchCosts(), policy.slo))
+    assert {json.loads(x)["decision"]["mode"] for x in lines} == {"tp", "dp"}
+    n, diffs = replay(lines, PolicyConfig("adaptive"), NODE)
+    assert n == len(lines) and diffs == []
+    # a policy with other SLOs decides otherwise somewhere: the replay can tell
+    _, diffs = replay(lines, PolicyConfig("adaptive", slo_ttft_ms=50.0, slo_tpot_ms=5.0), NODE)
+    assert diffs
