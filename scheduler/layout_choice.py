@@ -109,16 +109,16 @@ class LayoutChooser:
             gains.append(preds[best].goodput - preds[self.current].goodput)
         return min(gains)
 
+    def _latency(self, lay: Layout, p: Prediction, output: float) -> float:
+        """A request's predicted end-to-end latency (ms), a layout with groups charged
+        ``latency_gain`` more (it must be that much faster to be worth forming)."""
+        e2e = p.ttft_ms + output * p.tpot_ms
+        return e2e * (1 + self.latency_gain) if lay.groups else e2e
+
     def _best(self, preds: dict[Layout, Prediction], output: float) -> Layout:
         top = max(p.goodput for p in preds.values())
         equal = [lay for lay, p in preds.items() if p.goodput >= top * (1 - GOODPUT_TIE)]
-
-        def latency(lay: Layout) -> float:
-            p = preds[lay]
-            e2e = p.ttft_ms + output * p.tpot_ms
-            return e2e * (1 + self.latency_gain) if lay.groups else e2e
-
-        return min(equal, key=lambda lay: (latency(lay), lay.groups))
+        return min(equal, key=lambda lay: (self._latency(lay, preds[lay], output), lay.groups))
 
     def choose(self, now: float, costs: Costs, traffic: Traffic, running: int, queued: int,
                slo: Slo, switch: SwitchCosts) -> Choice:
@@ -158,7 +158,7 @@ class LayoutChooser:
             return Choice(self.current, f"goodput: keep {cur.layout} (within "
                           f"{GOODPUT_MARGIN:.0%} of {best.name})", briefs)
         else:  # a tie on goodput, decided by latency
-            saved = (cur.ttft_ms + output * cur.tpot_ms) - (new.ttft_ms + output * new.tpot_ms)
+            saved = self._latency(self.current, cur, output) - self._latency(best, new, output)
             worth = saved * traffic.rate * self.horizon_s > delayed * cost_ms
             kind = f"latency {new.ttft_ms + output * new.tpot_ms:.0f} vs " \
                    f"{cur.ttft_ms + output * cur.tpot_ms:.0f} ms"

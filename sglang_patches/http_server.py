@@ -34,7 +34,8 @@ def _warmup_then_probe(warmup, server_args) -> bool:
     manager = http_server._global_state.tokenizer_manager
     status, manager.server_status = manager.server_status, ServerStatus.Starting
     try:
-        probe.run(server_args.url(), get_config().degree_list() or [], store)
+        probe.run(server_args.url(), get_config().degree_list() or [], store,
+                  server_args.dp_size)
     finally:
         manager.server_status = status
     return ok

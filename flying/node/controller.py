@@ -118,7 +118,8 @@ def binds_for(controller, req) -> list[tuple[int, Bind]]:
 
     if is_health_check_generate_req(req):
         return []
-    _note_arrival(controller, req)
+    if _groups_open(controller):  # not the probe's and calibration's requests
+        _note_arrival(controller, req)
     from flying.node.placement import dp_only_feature
 
     feature = dp_only_feature(req)

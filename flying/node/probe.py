@@ -29,6 +29,12 @@ PROBING, OPEN = "probing", "open"
 PROBE_TOKENS = 16
 #: Token ids of the probe prompt: plain ids every tokenizer of a real model has.
 PROBE_PROMPT = [11, 42, 7, 300, 5, 99, 64, 128, 3, 250, 17, 81]
+#: Calibration (after the probe, before the gate opens): per mode, one request alone and
+#: then CALIBRATE_BATCH concurrent requests per engine of the mode's server, each with a
+#: CALIBRATE_PROMPT-token prompt, so each mode's cost curves (``scheduler.costs``) have a decode point beyond
+#: batch 1 and a prefill point at a real prompt length, measured on the same quiet
+#: machine for every mode; traffic fills in the rest.
+CALIBRATE_BATCH, CALIBRATE_PROMPT, CALIBRATE_TOKENS = 4, 128, 12
 
 _SECRET = secrets.token_hex(16)  # HTTP process only; never leaves it
 _STATE = {"gate": PROBING}
@@ -92,21 +98,65 @@ def _counts(url: str) -> tuple[int, int]:
     return totals.get("faulted_sessions", 0), totals.get("aborted_binds", 0)
 
 
-def _ask(url: str, degree: int) -> list[int]:
+def _ask(url: str, degree: int, prompt: list[int] = PROBE_PROMPT,
+         tokens: int = PROBE_TOKENS) -> list[int]:
     import requests
 
     headers = {"X-Flying-TP": str(degree), PROBE_HEADER: _SECRET} if degree > 1 else {}
     resp = requests.post(url + "/generate", json={
-        "input_ids": PROBE_PROMPT,
-        "sampling_params": {"max_new_tokens": PROBE_TOKENS, "temperature": 0, "ignore_eos": True},
+        "input_ids": prompt,
+        "sampling_params": {"max_new_tokens": tokens, "temperature": 0, "ignore_eos": True},
     }, headers=headers, timeout=300)
     if resp.status_code != 200:
         raise RuntimeError(f"HTTP {resp.status_code}: {resp.text[:200]}")
     return resp.json()["output_ids"]
 
 
-def run(url: str, degrees: list[int], store) -> str:
-    """Probe every degree against DP; set and return the gate."""
+def calibrate(url: str, degrees: list[int], engines: int) -> None:
+    """Step-cost calibration: for DP and each degree, a burst of concurrent requests
+    (``CALIBRATE_BATCH`` per server: DP spreads them over ``engines``); the engines time
+    the steps (``flying.session.step_costs``). Never raises: the curves are advice."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompt = [PROBE_PROMPT[i % len(PROBE_PROMPT)] + i % 7 for i in range(CALIBRATE_PROMPT)]
+    started = time.monotonic()
+    try:
+        for degree in (1, *degrees):
+            _ask(url, degree, prompt, CALIBRATE_TOKENS)  # alone: a prefill of the prompt
+            n = CALIBRATE_BATCH * (engines if degree == 1 else 1)
+            with ThreadPoolExecutor(n) as pool:
+                list(pool.map(lambda _, d=degree: _ask(url, d, prompt, CALIBRATE_TOKENS),
+                              range(n)))
+    except Exception as exc:  # noqa: BLE001
+        logger.warning("Flying: step-cost calibration incomplete: %s", exc)
+    logger.info("Flying: step costs calibrated in %.1f s", time.monotonic() - started)
+
+
+def _log_slo(store, degrees: list[int], engines: int) -> None:
+    """Print the node's SLOs as the adaptive policy derives them from the calibrated
+    costs (the controller logs the ones it uses with its first placement)."""
+    try:
+        from flying.node.config import get_config
+        from flying.node.costs_reader import merge
+        from flying.session import status
+        from scheduler.policy import PolicyConfig, derive_slo
+
+        cfg = get_config()
+        costs = merge(status.read_all(store, engines)["engines"])
+        slo = derive_slo(PolicyConfig(slo_ttft_ms=cfg.slo_ttft, slo_tpot_ms=cfg.slo_tpot),
+                         costs, tuple(degrees))
+        if slo is not None:
+            logger.info("Flying: node SLOs TTFT %.0f ms, TPOT %.1f ms (%s)", slo.ttft_ms,
+                        slo.tpot_ms, "configured" if cfg.slo_ttft and cfg.slo_tpot else
+                        "derived: 4x / 1.5x the measured quiet service; --flying-slo-ttft, "
+                        "--flying-slo-tpot set them")
+    except Exception:  # noqa: BLE001 - a log line only
+        logger.exception("Flying: could not derive the node's SLOs")
+
+
+def run(url: str, degrees: list[int], store, engines: int = 0) -> str:
+    """Probe every degree against DP, calibrate the step costs (``engines``: the
+    engine count; 0 skips it); set and return the gate."""
     if not degrees:
         _set(store, "closed:no TP degree is allowed on this node")
         return gate()
@@ -123,6 +173,9 @@ def run(url: str, degrees: list[int], store) -> str:
         logger.error("Flying: start-up probe failed, serving with TP groups off: %s", exc)
         _set(store, f"closed:the start-up probe failed: {exc}")
         return gate()
+    if engines:
+        calibrate(url, degrees, engines)
+        _log_slo(store, degrees, engines)
     logger.info("Flying: start-up probe passed for TP degrees %s: groups open", degrees)
     _set(store, OPEN)
     return gate()

@@ -40,7 +40,7 @@ from flying.session.aborts import AbortBook
 from flying.session.counters import EngineCounters
 from flying.session.drain import Drain, nothing_running
 from flying.session.drain import scheduler_form as _form
-from flying.session.faults import FaultSwitch
+from flying.session.faults import FaultSwitch, step_delays
 from flying.session.group import DP, GroupSession, Mode, State
 from flying.session.lifecycle import Lifecycle
 from flying.session.messages import Bind
@@ -84,6 +84,7 @@ class FlyingEngine(Lifecycle, Drain):
         #: this engine (``upgrades``: a group may hold more than this engine)
         self.watch = upgrade.Watch(dp_rank, upgrades, self.counters)
         self.clock = StepClock()  # measured step costs per mode and work (curves)
+        self._delays = step_delays()  # test-only slower modes; {} normally
         self.session: GroupSession | None = None
         #: degree -> the objects a group of that degree needs, built at start-up
         self.prepared: dict[int, tp_scope.Prepared] = {}
@@ -163,6 +164,8 @@ class FlyingEngine(Lifecycle, Drain):
         else:
             degree, interleaved = 1, s is not None
         self.clock.label(sample_of(plan.batch_to_run, degree, interleaved), started)
+        if self._delays and plan.batch_to_run is not None and degree in self._delays:
+            time.sleep(self._delays[degree])  # test-only (faults.step_delays)
         return plan
 
     def _next_batch(self, scheduler, original):

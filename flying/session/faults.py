@@ -102,3 +102,22 @@ def mount(app, store_of) -> None:
 
     fault.__annotations__["request"] = Request  # resolved here: fastapi is imported lazily
     app.add_api_route("/flying/test/fault", fault, methods=["POST"])
+
+
+#: Test-only: ``FLYING_TEST_STEP_DELAY_MS="2:15"`` adds 15 ms to every step an engine runs
+#: in a TP-2 group (``"1:20"``: to every DP step; comma-separated for several modes).
+#: It makes a mode measurably slower on any machine, so the policy's tests can pin
+#: which layout pays (the engines measure the slower steps like any other).
+DELAY_ENV = "FLYING_TEST_STEP_DELAY_MS"
+
+
+def step_delays() -> dict[int, float]:
+    """{degree: seconds} from ``DELAY_ENV`` ({} when unset, the normal case)."""
+    text = os.environ.get(DELAY_ENV, "").strip()
+    if not text:
+        return {}
+    delays = {}
+    for part in text.split(","):
+        degree, _, ms = part.partition(":")
+        delays[int(degree)] = float(ms) / 1e3
+    return delays

@@ -1,68 +1,131 @@
 """The default adaptive policy on real SGLang (2 engines of the demo model).
 
-At light load the DP controller places a request from the engines' load snapshots and
-their measured step costs (the HTTP process sees neither and leaves it unmarked): in a
-TP-2 group only where a group step is measured faster than one engine's (on the demo
-model on CPU it is slower, so the node stays in DP). The response says where it ran,
-the tokens equal transformers', and the decision log replays to the same decisions.
+The DP controller places a request from the engines' load snapshots, their measured
+step-cost curves and its arrival estimate (the HTTP process sees none of them and leaves
+it unmarked): in the layout predicted to serve the most requests within the node's SLOs.
+Two nodes pin which layout pays with the test-only step delay
+(``flying.session.faults.step_delays``), which the engines measure like any other step
+cost: one whose group step is 10 ms slower than one engine's (it never forms a group
+for latency), one whose DP step is 25 ms slower (its group is faster at every batch
+size, so it stays in TP through a burst). The tokens equal transformers', and the
+decision logs replay to the same decisions.
 """
 
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
 
 from scheduler import replay
-from scheduler.policy import Costs, PolicyConfig
+from scheduler.policy import Costs
 from tests.conftest import MAX_TOTAL_TOKENS, serve
 from tests.reference import greedy_tokens, prompts
 
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(scope="module")
-def adaptive_server(demo_model_dir, tmp_path_factory):
-    log_dir = tmp_path_factory.mktemp("adaptive")
+#: Requests sent at once in the burst, and tokens each generates.
+BURST, NEW_TOKENS = 10, 12
+
+
+def _adaptive(model_dir, log_dir, delay: str):
     server_gen = serve(  # --flying-policy adaptive: the default
-        log_dir / "server.log", "--model-path", str(demo_model_dir),
+        log_dir / "server.log", "--model-path", str(model_dir),
         "--dp-size", "2", "--max-total-tokens", str(MAX_TOTAL_TOKENS),
         "--flying-decision-log", str(log_dir / "decisions.jsonl"),
+        env={"FLYING_TEST_STEP_DELAY_MS": delay},
     )
     server = next(server_gen)
     server.decisions = log_dir / "decisions.jsonl"
+    return server, server_gen
+
+
+@pytest.fixture(scope="module")
+def adaptive_server(demo_model_dir, tmp_path_factory):
+    """A node whose TP-2 group step is 10 ms slower than one engine's."""
+    server, gen = _adaptive(demo_model_dir, tmp_path_factory.mktemp("adaptive"), "2:10")
     yield server
-    server_gen.close()
+    gen.close()
 
 
-def test_engines_measure_step_costs_per_mode(adaptive_server):
-    """The start-up probe ran one request in a TP-2 group and one in DP: every engine
-    has a measured single-request decode step for both."""
+@pytest.fixture(scope="module")
+def fast_group_server(demo_model_dir, tmp_path_factory):
+    """A node whose DP step is 25 ms slower than a TP-2 group's."""
+    server, gen = _adaptive(demo_model_dir, tmp_path_factory.mktemp("fastgroup"), "1:25")
+    yield server
+    gen.close()
+
+
+def _decisions(server) -> list[dict]:
+    return [json.loads(x) for x in server.decisions.read_text().splitlines()[1:]]
+
+
+def test_engines_measure_step_cost_curves_per_mode(adaptive_server):
+    """The start-up probe and its calibration ran requests in a TP-2 group and in DP:
+    every engine has a measured single-request decode step for both, and curve points
+    beyond batch 1 and for prefill (the calibration's batched 128-token prompts)."""
     doc = requests.get(adaptive_server.url + "/flying/status", timeout=30).json()
     for engine in doc["engines"]:
         assert set(engine["decode_ms"]) == {"1", "2"}, engine
         assert all(ms > 0 for ms in engine["decode_ms"].values())
+        for degree in ("1", "2"):
+            curve = engine["curves"][degree]
+            assert max(b for b, _ in curve["decode"]) > 1, curve
+            assert max(t for t, _ in curve["prefill"]) >= 100, curve
 
 
-def test_light_load_placement_follows_measured_costs(adaptive_server, demo_model_dir):
-    """At light load the controller puts a request in a TP-2 group only where the
-    engines measured a group step at least ``--flying-tp-gain`` faster than one
-    engine's; each decision is in the log with its inputs and replays offline to the
-    same decision."""
+def test_a_slower_group_is_never_formed_for_latency(adaptive_server, demo_model_dir):
+    """A TP-2 step slower than one engine's at every measured batch size: every
+    decision is DP, each with its inputs (traffic, SLOs, costs with curves) and the
+    layouts' predictions in the log, and the log replays offline to the same
+    decisions."""
     for ids in prompts(3, 9, seed=21):
         body = adaptive_server.generate_ids(ids, 10)
         assert body["output_ids"] == greedy_tokens(demo_model_dir, ids, 10)
-        line = json.loads(adaptive_server.decisions.read_text().splitlines()[-1])
+        assert body["meta_info"]["flying"]["mode"] == "dp", body["meta_info"]
+    lines = _decisions(adaptive_server)
+    assert len(lines) >= 3
+    for line in lines:
         costs = Costs.from_json(line["costs"])
-        assert costs is not None and costs.gain(2) is not None
-        want = "tp" if costs.gain(2) >= PolicyConfig().tp_gain else "dp"
-        assert line["decision"]["mode"] == want, line
-        assert body["meta_info"]["flying"]["mode"] == want, body["meta_info"]
-        if want == "dp":
-            assert "does not pay" in line["decision"]["reason"]
+        assert costs is not None and costs.gain(2) < 0, line["costs"]  # the group is slower
+        assert line["decision"]["mode"] == "dp", line
+        assert line["traffic"]["rate_long"] > 0 and line["slo"]["ttft_ms"] > 0
+        dp, tp = line["predictions"]["2xDP"], line["predictions"]["1xTP2"]
+        assert dp["goodput"] >= tp["goodput"] and dp["tpot_ms"] < tp["tpot_ms"], line
     assert replay.main([str(adaptive_server.decisions)]) == 0
-    # The same log under a policy that allows a slower group: every decision differs.
-    assert replay.main([str(adaptive_server.decisions), "--config", '{"tp_gain": -10}']) == int(
-        want == "dp"
-    )
+    # The same log under SLOs both layouts meet and a policy that prefers any group on
+    # a latency tie: the decisions differ.
+    other = '{"tp_gain": -10, "slo_ttft_ms": 10000, "slo_tpot_ms": 1000}'
+    assert replay.main([str(adaptive_server.decisions), "--config", other]) == 1
+
+
+def test_a_faster_group_is_kept_through_a_burst(fast_group_server, demo_model_dir):
+    """A group faster at every batch size: quiet requests and then a burst of
+    concurrent ones all run in the TP-2 group (the burst seen in the short window, the
+    predictions saying the group serves at least as much within SLO)."""
+    quiet = prompts(2, 24, seed=3)
+    for ids in quiet:
+        body = fast_group_server.generate_ids(ids, NEW_TOKENS)
+        assert body["output_ids"] == greedy_tokens(demo_model_dir, ids, NEW_TOKENS)
+    burst = prompts(BURST, 24, seed=4)
+    with ThreadPoolExecutor(BURST) as pool:
+        bodies = list(pool.map(lambda ids: fast_group_server.generate_ids(ids, NEW_TOKENS),
+                               burst))
+    for ids, body in zip(burst, bodies, strict=True):
+        assert body["output_ids"] == greedy_tokens(demo_model_dir, ids, NEW_TOKENS)
+    assert [b["meta_info"]["flying"]["mode"] for b in bodies] == ["tp"] * BURST
+
+    lines = _decisions(fast_group_server)
+    assert len(lines) == len(quiet) + BURST
+    assert [line["decision"]["mode"] for line in lines] == ["tp"] * len(lines), lines
+    peak = max(lines, key=lambda line: line["traffic"]["rate_short"])
+    assert peak["traffic"]["rate_short"] >= 2.0  # the burst was seen as one
+    preds = peak["predictions"]
+    assert preds["1xTP2"]["goodput"] >= preds["2xDP"]["goodput"], peak
+    costs = Costs.from_json(peak["costs"])
+    for batch in (1, 4):
+        assert costs.decode(2, batch) < costs.decode(1, batch), peak["costs"]
+    assert replay.main([str(fast_group_server.decisions)]) == 0
