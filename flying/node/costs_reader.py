@@ -8,9 +8,10 @@ switch and move times in their status documents (``flying.session.step_costs``,
 point, the mean over the engines that measured it) and one ``SwitchCosts``.
 
 ``DecisionLog``: with ``--flying-decision-log PATH`` the controller appends one JSON line
-per decision (request, loads, costs, decision with its reason), after a first line with
-the node and policy configuration; ``python -m scheduler.replay PATH`` replays it to the
-same decisions.
+per decision (request, loads, costs, decision with its reason) and per upgrade decision
+(``"kind": "upgrade"``), after a first line with the node and policy configuration;
+the engines append their moves, joins and upgrades' joins (``flying.session.layout_log``);
+``python -m scheduler.replay PATH`` replays it to the same decisions.
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ import time
 from dataclasses import asdict
 
 from flying.session import status
+from flying.session.layout_log import Appender
 from flying.session.step_costs import bucket
 from scheduler.costs import Costs, Curve
 from scheduler.layout_choice import SwitchCosts
-from scheduler.replay import record
+from scheduler.replay import record, record_upgrade
 
 logger = logging.getLogger(__name__)
 
@@ -106,27 +108,39 @@ def switch_costs(engines: list[dict]) -> SwitchCosts:
 
 
 class DecisionLog:
-    """Appends decisions as JSON lines (no-op without a path). Never raises."""
+    """Appends decisions as JSON lines (no-op without a path). Never raises.
+
+    Created once per launch, before the controller issues any bind: it truncates the
+    file and writes the head line (node and policy configuration). The engines append
+    their layout changes to the same file (``flying.session.layout_log``), so every line
+    is one ``write`` on an ``O_APPEND`` file (``Appender``): whole lines, in the order
+    they were written."""
 
     def __init__(self, path: str, policy):
-        self._file = None
+        self._out: Appender | None = None
         if not path or policy is None:
             return
-        try:
-            self._file = open(path, "w", buffering=1)  # noqa: SIM115 - one log per launch
-            head = {"config": asdict(policy.config), "node": asdict(policy.node)}
-            self._file.write(json.dumps(head) + "\n")
-        except OSError:
-            logger.exception("flying: cannot write the decision log %s", path)
-            self._file = None
+        self._out = Appender(path, truncate=True)
+        head = {"config": asdict(policy.config), "node": asdict(policy.node)}
+        self._out.line(json.dumps(head))
 
     def write(self, rid: str, request, loads, costs, decision, **inputs) -> None:
         """One decision; ``inputs``: the goodput rule's (traffic, switch, slo,
         predictions), as ``scheduler.replay.record`` takes them."""
-        if self._file is None:
+        if self._out is None:
             return
         try:
-            line = record(request, loads, decision, costs, rid=rid, t=time.time(), **inputs)
-            self._file.write(line + "\n")
-        except OSError:
+            self._out.line(record(request, loads, decision, costs, rid=rid, t=time.time(),
+                                  **inputs))
+        except (TypeError, ValueError):
+            logger.exception("flying: decision log write failed")
+
+    def upgrade(self, rid: str, holder: int, decision) -> None:
+        """The policy's answer to engine ``holder``'s ask to take request ``rid`` into a
+        group (``Policy.upgrade``)."""
+        if self._out is None:
+            return
+        try:
+            self._out.line(record_upgrade(holder, decision, rid=rid, t=time.time()))
+        except (TypeError, ValueError):
             logger.exception("flying: decision log write failed")

@@ -6,9 +6,9 @@ admission (members reserve exactly that much), so both agree on every request.
 
 from __future__ import annotations
 
-#: Tokens a TP session reserves beyond prompt + max_new_tokens: SGLang's admission keeps
-#: one page per request and one slot of headroom (strict ``<``) free.
-ADMISSION_SLACK = 4
+#: Tokens a TP session reserves beyond prompt + max_new_tokens (defined with the pure
+#: relayout decisions, which replay re-runs offline).
+from scheduler.relayout import ADMISSION_SLACK
 
 
 def resolved_max_new_tokens(prompt_len: int, max_new_tokens: int | None, limit: int) -> int:

@@ -35,12 +35,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flying.session import move, tp_scope
+from flying.session import layout_log, move, tp_scope
 from flying.session.admission import MAX_PER_STEP, agree
-from flying.session.budget import kv_tokens_needed, resolved_max_new_tokens
+from flying.session.budget import resolved_max_new_tokens
 from flying.session.move import kv_len, merge_into_running, rehome
 from flying.substrate import kv_adaptor, kv_relayout
 from flying.substrate.layout import KvSplit
+from scheduler.relayout import running_budget
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +69,9 @@ class Joining:
     #: the requests' max_new_tokens in DP, restored if they go back there (an upgrade
     #: lifts it for the group); None: unchanged
     dp_bounds: list[int] | None = None
+    #: the decision's line for the decision log (``layout_log``), written with the
+    #: measured costs once the requests landed; None without a log
+    log: dict | None = None
 
 
 def eligible(req, seq_len: int) -> bool:
@@ -97,8 +101,7 @@ def _budget(req, dp_limit: int) -> int | None:
         params.max_new_tokens = resolved_max_new_tokens(
             len(req.origin_input_ids), params.max_new_tokens, dp_limit
         )
-        left = params.max_new_tokens - len(req.output_ids)
-        return kv_tokens_needed(n, max(left, 1), dp_limit)
+        return running_budget(n, params.max_new_tokens, len(req.output_ids))
     except Exception:  # noqa: BLE001 - an odd request stays in DP; the collective must run
         logger.exception("flying: request %s cannot join a group", getattr(req, "rid", "?"))
         return None
@@ -127,6 +130,7 @@ def gather(engine, scheduler, bind, member, is_leader: bool, faults=None) -> Joi
     if n == 0 or busy_peers:
         return None
     lens, budgets = shared[1 : 1 + n], shared[1 + MAX_JOIN : 1 + MAX_JOIN + n]
+    room = tp_scope.dp_room(scheduler) if layout_log.enabled() else 0
     reservations = []
     for tokens in budgets:
         # evicts cached DP prefixes
@@ -135,14 +139,36 @@ def gather(engine, scheduler, bind, member, is_leader: bool, faults=None) -> Joi
             break
         reservations.append(res)
     k = agree(member, scheduler.token_to_kv_pool_allocator, reservations)
+    log = _log(engine, bind, picked, lens, budgets, room, len(reservations), k)
     if k == 0:
+        if log is not None:
+            layout_log.write("join", log)
         return None
     t_agreed = time.perf_counter()
     lens = lens[:k]
     block, payload = (_take_out(scheduler, picked[:k]) if is_leader else (None, b""))
-    joining = Joining(picked[:k], lens, None, reservations[:k], t_agreed, block, source=is_leader)
+    joining = Joining(picked[:k], lens, None, reservations[:k], t_agreed, block, source=is_leader,
+                      log=log)
     carry(member, scheduler, joining, payload, degree, 0, faults)
     return joining
+
+
+def _log(engine, bind, picked: list, lens: list[int], budgets: list[int], room: int,
+         reserved: int, joined: int) -> dict | None:
+    """A join's line for the decision log (None without a log): the leader's candidates
+    (on the leader, each one's inputs to ``running_budget``), this member's DP room
+    before it reserved, how many it reserved, and how many joined (the MIN)."""
+    if not layout_log.enabled():
+        return None
+    doc = {**layout_log.about(bind, engine.dp_rank), "lens": list(lens), "budgets": list(budgets),
+           "per_slot": engine.prepared[bind.degree].per_slot, "room": int(room),
+           "reserved": reserved, "joined": joined}
+    if picked:
+        doc["requests"] = [
+            {"rid": r.rid, "kv": kv_len(r), "max_new_tokens": r.sampling_params.max_new_tokens,
+             "outputs": len(r.output_ids)} for r in picked
+        ]
+    return doc
 
 
 def carry(member, scheduler, joining: Joining, payload: bytes, degree: int, src: int,

@@ -15,6 +15,7 @@ from flying.session import (
     containment,
     exchange,
     join,
+    layout_log,
     move,
     report,
     tp_scope,
@@ -217,6 +218,12 @@ class Lifecycle:
         c.moved_tokens += moved.tokens
         for req in moved.reqs:
             report.moved(req, s.bind.degree, move.MOVED_REASON)
+        if moved.decision is not None and layout_log.enabled():
+            layout_log.write("move", {
+                **layout_log.about(s.bind, self.dp_rank), **moved.decision,
+                "requests": moved.requests, "tokens": moved.tokens,
+                "bytes_in": moved.bytes_in, "ms": round(moved.ms, 3),
+            })
         logger.info(
             "flying: engine %d: %d request(s) of bind %s moved to DP here "
             "(%d tokens of KV, %.2f ms)", self.dp_rank, moved.requests, s.bind.bind_id,
@@ -234,6 +241,11 @@ class Lifecycle:
         if s.bind.upgrade is not None:
             for req in joining.reqs:  # the leader's copy answers from here on
                 report.moved(req, s.bind.degree, upgrade.UPGRADED_REASON)
+        if joining.log is not None:
+            layout_log.write("upgrade_join" if s.bind.upgrade else "join", {
+                **joining.log, "ms": round(ms, 3), "tokens": sum(joining.lens),
+                "kv_bytes": layout_log.kv_bytes(joining.shard),
+            })
         logger.info(
             "flying: engine %d: %d running DP request(s) joined bind %s (%d tokens of KV, %.2f ms)",
             self.dp_rank, len(joining.reqs), s.bind.bind_id, sum(joining.lens), ms,

@@ -41,8 +41,9 @@ from dataclasses import dataclass
 
 import torch
 
-from flying.session import tp_scope
+from flying.session import layout_log, tp_scope
 from flying.substrate import kv_relayout
+from scheduler.relayout import assign
 
 logger = logging.getLogger(__name__)
 
@@ -84,26 +85,8 @@ class Moved:
     bytes_in: int  # KV bytes this member received from its peers
     ms: float  # from the members' agreement to the requests landing in DP
     reqs: tuple = ()  # this member's landed requests
-
-
-def assign(lens: list[int], rooms: list[int], loads: list[int]) -> list[int] | None:
-    """The member (TP rank) each moved request lands on, or None if one fits nowhere.
-
-    Pure and deterministic (every member computes it from the same gathered values):
-    requests in batch order, each to the member with the fewest DP requests counting
-    those already assigned (lowest rank on ties), among those with room for its KV plus
-    one decode token. Spreading them keeps a group's requests from piling onto one
-    engine, where SGLang's dispatch would take many new requests to even it out."""
-    left, count, owners = list(rooms), list(loads), []
-    for n in lens:
-        fits = [r for r in range(len(left)) if left[r] >= n + 1]
-        if not fits:
-            return None
-        r = min(fits, key=lambda i: (count[i], i))
-        left[r] -= n + 1
-        count[r] += 1
-        owners.append(r)
-    return owners
+    #: what the members agreed on (``assign``'s inputs and owners), for the decision log
+    decision: dict | None = None
 
 
 def to_dp(scheduler, s, dp_limit: int, faults=None) -> Moved | None:
@@ -135,7 +118,12 @@ def to_dp(scheduler, s, dp_limit: int, faults=None) -> Moved | None:
     try:
         members = s.member.gather_ints([_room(scheduler, scope), _dp_load(scheduler)])
         owners = assign(lens, [m[0] for m in members], [m[1] for m in members])
+        decision = {"lens": lens, "rooms": [int(m[0]) for m in members],
+                    "loads": [int(m[1]) for m in members], "owners": owners}
         if owners is None:
+            if s.is_leader:  # the others refused alike; it recurs: logged once per try
+                layout_log.write("move", {**layout_log.about(s.bind, s.bind.ranks[0]),
+                                          **decision})
             scope.enter()
             scheduler.running_batch, scheduler.last_batch = batch, last
             return None
@@ -165,7 +153,7 @@ def to_dp(scheduler, s, dp_limit: int, faults=None) -> Moved | None:
     return Moved(
         len(keep), sum(lens[i] for i in keep),
         peers * shards[0].numel() * shards[0].element_size(),
-        (time.perf_counter() - t0) * 1e3, tuple(reqs[i] for i in keep),
+        (time.perf_counter() - t0) * 1e3, tuple(reqs[i] for i in keep), decision,
     )
 
 

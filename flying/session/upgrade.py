@@ -34,9 +34,11 @@ import logging
 import time
 import weakref
 
-from flying.session import join, move, tp_scope
+from flying.session import join, layout_log, move, tp_scope
 from flying.session.budget import ADMISSION_SLACK
 from flying.session.messages import Bind, Upgrade
+from scheduler.relayout import new_total as new_total  # re-exported (its old home)
+from scheduler.relayout import upgrade_total
 
 logger = logging.getLogger(__name__)
 
@@ -98,16 +100,6 @@ def _due(req) -> bool:
     return 0 < left <= AHEAD and join.eligible(req, move.kv_len(req))
 
 
-def new_total(room: int, per_slot: int, engine_slots: int, context_limit: int) -> int:
-    """Tokens (prompt + output) a request may reach in a group whose members can each
-    give ``room`` DP slots, a slot holding ``per_slot`` tokens' head shards (the degree,
-    or H_kv when the group replicates KV heads: ``Prepared.per_slot``): what they pool
-    less SGLang's admission slack, at most a whole group's pool, never beyond the
-    model's context (``context_limit``)."""
-    pooled = min(room, engine_slots) * per_slot - ADMISSION_SLACK
-    return max(0, min(pooled, context_limit))
-
-
 def gather(engine, scheduler, bind: Bind, member, faults=None) -> join.Joining | None:
     """Every member of an upgrade bind's session, DP state, after the rendezvous: take
     the holder's request into the group with its KV. None (nothing changed) if it is
@@ -125,11 +117,17 @@ def gather(engine, scheduler, bind: Bind, member, faults=None) -> join.Joining |
     rows = member.gather_ints([n, prompt, bound, room])
     n, prompt, bound = rows[src][:3]
     per_slot = engine.prepared[bind.degree].per_slot
-    total = new_total(
-        min(r[3] for r in rows), per_slot, int(scheduler.max_total_num_tokens),
-        int(scheduler.model_config.context_len) - 1,
-    )
-    if n == 0 or total - prompt <= bound:
+    limits = (per_slot, int(scheduler.max_total_num_tokens),
+              int(scheduler.model_config.context_len) - 1)
+    total = upgrade_total(rows, src, *limits)  # ``new_total`` if it grows, else 0
+    log = None
+    if layout_log.enabled():
+        log = {**layout_log.about(bind, engine.dp_rank), "rid": up.rid, "holder": up.holder,
+               "rows": rows, "per_slot": limits[0], "engine_slots": limits[1],
+               "context_limit": limits[2], "total": total}
+    if not total:
+        if log is not None:
+            layout_log.write("upgrade_join", log)
         return None
     block, payload = None, b""
     if is_src:
@@ -139,9 +137,16 @@ def gather(engine, scheduler, bind: Bind, member, faults=None) -> join.Joining |
         [req] if is_src else [], [n], None, [], time.perf_counter(), block, source=is_src,
         dp_bounds=[bound],
     )
+    room = tp_scope.dp_room(scheduler) if log is not None else 0
     res = tp_scope.reserve_for(scheduler, total + ADMISSION_SLACK, per_slot)
     joining.reservations = [res] if res is not None else []
-    if not join.agree(member, scheduler.token_to_kv_pool_allocator, joining.reservations):
+    agreed = join.agree(member, scheduler.token_to_kv_pool_allocator, joining.reservations)
+    if log is not None:
+        log.update(room=room, reserved=len(joining.reservations), joined=agreed)
+        joining.log = log
+    if not agreed:
+        if log is not None:
+            layout_log.write("upgrade_join", log)
         if is_src:
             join.restore(scheduler, joining)
         return None

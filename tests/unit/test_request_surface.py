@@ -704,3 +704,27 @@ def test_controller_keeps_groups_only_where_they_pay_and_logs_replayable_decisio
     assert len(lines) == 2  # the last controller's log: its header and one decision
     assert replay.main([str(log)]) == 0
     assert replay.main([str(log), "--config", '{"tp_gain": 0.5}']) == 1
+
+
+def test_the_controller_logs_upgrade_asks_and_starts_its_log_before_any_bind(cfg, tmp_path):
+    """The log starts (truncated, head first) when the controller attaches, before any
+    bind, so the engines' appended lines are never cut; every upgrade ask's answer is a
+    line that replays through ``Policy.upgrade``."""
+    from scheduler import replay
+
+    log = tmp_path / "decisions.jsonl"
+    log.write_text("a previous launch's line\n")
+    cfg(decision_log=str(log))
+    ctl = FakeController()
+    assert list(json.loads(log.read_text())) == ["config", "node"]
+    with open(log, "a") as engine:  # an engine appends while the controller logs
+        engine.write(json.dumps({"kind": "move", "bind": "x", "degree": 2, "ranks": [0, 1],
+                                 "rank": 0, "lens": [9], "rooms": [50, 50], "loads": [0, 0],
+                                 "owners": [0]}) + "\n")
+    assert flying_controller.upgrade_binds_for(ctl, messages.Upgrade("long-1", 1, 0.0))
+    lines = [json.loads(x) for x in log.read_text().splitlines()]
+    assert [x.get("kind") for x in lines] == [None, "move", "upgrade"]
+    assert lines[2]["holder"] == 1 and lines[2]["rid"] == "long-1"
+    assert lines[2]["decision"] == {"mode": "tp", "degree": 2, "reason": "long context"}
+    assert replay.main([str(log)]) == 0
+    assert replay.main([str(log), "--config", '{"policy": "manual"}']) == 1
