@@ -77,6 +77,12 @@ def attach(controller) -> None:
     controller._flying_policy = None
     controller._flying_recorded = placement_log.Recorded()
     controller._flying_arrivals = Arrivals()
+    if get_config().decision_log:  # the log starts before any bind: engines append to it
+        try:
+            if _policy(controller) is not None:
+                _decision_log(controller)
+        except Exception:  # noqa: BLE001 - no policy yet: the log starts at its first use
+            logger.exception("flying: could not start the decision log")
 
 
 def _policy(controller):
@@ -154,6 +160,7 @@ def upgrade_binds_for(controller, ask: Upgrade) -> list[tuple[int, Bind]]:
     if issuer is None or policy is None or not _groups_open(controller):
         return []
     decision = policy.upgrade(ask.holder)
+    _decision_log(controller).upgrade(ask.rid, ask.holder, decision)
     if decision.mode != "tp":
         logger.info("flying: request %s stays on engine %d: %s", ask.rid, ask.holder, decision.reason)
         return []
