@@ -9,6 +9,11 @@ after another on the same machine) and prints, for Flying against the static lay
 - priority requests' TTFT p90 against both static layouts (target: below both);
 - P99 inter-token latency and the longest inter-token gap (the longest pause a running
   request saw) / static DP (target <= 1.5);
+- goodput (requests per second within both SLOs, SGLang's definition) against the
+  better static layout (target >= 1.0), with the SLOs taken from static TP's quiet
+  service in the same run: TTFT <= 4x its quiet TTFT p50, TPOT <= 1.5x its quiet TPOT
+  p50 (``--slo-ttft`` / ``--slo-tpot`` set them instead); and output throughput against
+  the better static layout (target >= 0.98);
 - Flying's switches (binds), DP steps run between group steps, and TP requests.
 
     python -m workloads.targets results/compare-cpu-burst [--burst burst --quiet low] \\
@@ -56,6 +61,26 @@ def _throughput(records: list[RequestRecord]) -> float | None:
     return sum(r.output_tokens for r in records if r.success) / span if span > 0 else None
 
 
+def quiet_slos(records: list[RequestRecord], quiet: str) -> tuple[float, float]:
+    """(TTFT, TPOT) SLOs in ms: 4x and 1.5x the p50 of ``records``' quiet phase."""
+    ttft = _stat(records, lambda r: r.phase == quiet, "ttft", 50)
+    tpot = _stat(records, lambda r: r.phase == quiet, "tpot", 50)
+    return 4.0 * (ttft or 0.0), 1.5 * (tpot or 0.0)
+
+
+def goodput(records: list[RequestRecord], ttft_ms: float, tpot_ms: float) -> float | None:
+    """Requests per second that finished within both SLOs, over the run's span."""
+    spans = [(r.send_s, r.end_s) for r in records if r.send_s is not None and r.end_s is not None]
+    if not spans:
+        return None
+    span = max(e for _, e in spans) - min(s for s, _ in spans)
+    good = sum(
+        1 for r in records if r.success and r.ttft_s is not None
+        and r.ttft_s * 1e3 <= ttft_ms and (r.tpot_s is None or r.tpot_s * 1e3 <= tpot_ms)
+    )
+    return good / span if span > 0 else None
+
+
 def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
@@ -64,9 +89,21 @@ def _fmt(x: float | None, digits: int = 1) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
 
-def rows(records: dict[str, list[RequestRecord]], burst: str, quiet: str) -> list[tuple]:
+def rows(records: dict[str, list[RequestRecord]], burst: str, quiet: str,
+         slos: tuple[float, float] | None = None) -> list[tuple]:
     """(target, static DP, static TP, Flying, ratio, goal, met) per target."""
     out = []
+    ttft_slo, tpot_slo = slos or quiet_slos(records["static-tp"], quiet)
+    good = [goodput(records[r], ttft_slo, tpot_slo) for r in RUNS]
+    best = max((g for g in good[:2] if g is not None), default=None)
+    ratio = _ratio(good[2], best)
+    out.append((f"goodput (req/s, TTFT <= {ttft_slo:.0f} ms, TPOT <= {tpot_slo:.1f} ms)",
+                *good, ratio, 1.0, None if ratio is None else ratio >= 1.0))
+    tputs = [_throughput(records[r]) for r in RUNS]
+    best = max((t for t in tputs[:2] if t is not None), default=None)
+    ratio = _ratio(tputs[2], best)
+    out.append(("output throughput vs the better static (tok/s)", *tputs, ratio, 0.98,
+                None if ratio is None else ratio >= 0.98))
 
     def add(name, metric, q, pick, goal, against="dp"):
         dp, tp, fl = (_stat(records[r], pick, metric, q) for r in RUNS)
@@ -96,8 +133,10 @@ def render(rows_: list[tuple]) -> str:
         "|---|---:|---:|---:|---:|---|---|",
     ]
     for name, dp, tp, fl, ratio, goal, met in rows_:
-        sign = ">=" if "throughput" in name else "<="
+        sign = ">=" if "throughput" in name or "goodput" in name else "<="
         against = "best static" if "phase=" in name and ("p50" in name) else "static DP"
+        if "goodput" in name or "better static" in name:
+            against = "better static"
         if name.startswith("priority"):
             sign, against = "<", "both static"
         lines.append(
@@ -153,11 +192,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--burst", default="burst", help="phase name of the bursts")
     ap.add_argument("--quiet", default="low", help="phase name of the quiet periods")
     ap.add_argument("--plot", type=Path, help="write Flying's modes over time (PNG) here")
+    ap.add_argument("--slo-ttft", type=float, help="goodput TTFT SLO in ms (default: 4x "
+                    "static TP's quiet TTFT p50)")
+    ap.add_argument("--slo-tpot", type=float, help="goodput TPOT SLO in ms (default: 1.5x "
+                    "static TP's quiet TPOT p50)")
     args = ap.parse_args(argv)
     records = {r: load_records(args.out / r / "records.jsonl") for r in RUNS}
     if args.plot:
         plot_modes(records["flying"], args.plot)
-    print(render(rows(records, args.burst, args.quiet)))
+    slos = None
+    if args.slo_ttft or args.slo_tpot:
+        derived = quiet_slos(records["static-tp"], args.quiet)
+        slos = (args.slo_ttft or derived[0], args.slo_tpot or derived[1])
+    print(render(rows(records, args.burst, args.quiet, slos)))
     counters = flying_counters(args.out)
     if counters:
         print(f"\nFlying engines (summed over engines): {counters}")

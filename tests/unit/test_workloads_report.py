@@ -180,3 +180,14 @@ def test_merge_context_appends_commands_and_refuses_other_traces(tmp_path):
         merge_context(path, {**first, "trace": {"requests": 11}})
     with pytest.raises(SystemExit):
         merge_context(path, {**first, "machine": {"model": "/other"}})
+
+
+def test_goodput_counts_requests_within_both_slos_per_second():
+    from workloads.targets import goodput, quiet_slos
+
+    records = _records(1.0)  # TTFT 100 ms, TPOT 20 ms, 10 requests over ~9.2 s
+    span = records[-1].end_s - records[0].send_s
+    assert goodput(records, 150.0, 25.0) == pytest.approx(10 / span)
+    assert goodput(records, 50.0, 25.0) == 0.0  # TTFT over its SLO
+    assert goodput(records, 150.0, 10.0) == 0.0  # TPOT over its SLO
+    assert quiet_slos(records, "low") == pytest.approx((400.0, 30.0))
