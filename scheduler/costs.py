@@ -9,11 +9,13 @@ its cost while other processes share the cores). Here those points become curves
 - ``decode(degree, batch)``: ms of one decode step of ``batch`` running requests;
 - ``prefill(degree, tokens)``: ms of one extend step of ``tokens`` new tokens.
 
-Both are piecewise linear through the measured points (below the first point: its
-value; beyond the last: the last segment's slope, never negative). A mode measured at
-one point only borrows its shape from DP's curve, scaled to pass through its own point
-(the start-up probe measures every mode; traffic fills in the rest, DP first since it
-runs most): the ratio of a TP step to a DP step at the same work is what is known.
+Both are piecewise linear through the measured points, made non-decreasing (below the
+first point: its value; beyond the last: the last segment's slope). Beyond a TP mode's
+last point (one point: everywhere above it) the mode grows as DP's curve does, scaled
+to pass through its own last point (the start-up calibration measures every mode at a
+few sizes; traffic fills in the rest, DP first since it runs most): the ratio of a TP
+step to a DP step at the same work is what is known there, and a flat extension would
+make a mode measured at small batches look free to batch without bound.
 
 Pure: no torch, no sockets. ``Costs.decode_ms`` (single-request decode per degree)
 is kept as it was: the test "is a group faster per step" for latency-first requests.
@@ -56,6 +58,16 @@ def _points(raw: Iterable) -> tuple[Point, ...]:
         if x > 0 and ms > 0:
             best[x] = min(ms, best.get(x, ms))
     return tuple(sorted(best.items()))
+
+
+def _monotone(points: tuple[Point, ...]) -> tuple[Point, ...]:
+    """``points`` made non-decreasing in ms (a step never costs less for more work;
+    measured points below an earlier one are noise: two samples of a busy machine)."""
+    out, top = [], 0.0
+    for x, y in points:
+        top = max(top, y)
+        out.append((x, top))
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -110,12 +122,13 @@ class Costs:
         return points
 
     def _value(self, degree: int, kind: str, x: float) -> float | None:
-        own, dp = self._own(degree, kind), self._own(1, kind)
-        if len(own) >= 2 or (own and len(dp) < 2):
-            return interpolate(own, x)
-        if own:  # one point: DP's shape through it
-            x0, y0 = own[0]
+        own, dp = _monotone(self._own(degree, kind)), _monotone(self._own(1, kind))
+        if own and degree != 1 and len(dp) >= 2 and x > own[-1][0]:
+            # beyond its last point a mode grows as DP does (one point: DP's shape)
+            x0, y0 = own[-1]
             return interpolate(dp, x) * y0 / interpolate(dp, x0)
+        if own:
+            return interpolate(own, x)
         if kind == "prefill" and dp:  # no prefill measured: DP's, scaled by decode
             ratio = (self.decode(degree, 1) or 0) / (self.decode(1, 1) or 1)
             return interpolate(dp, x) * ratio if ratio > 0 else None

@@ -67,6 +67,18 @@ def test_a_mode_measured_at_one_point_borrows_dp_shape():
     assert costs.decode(4, 1) is None and not costs.known(4)
 
 
+def test_noisy_points_never_make_a_bigger_step_cheaper_nor_batching_free():
+    """Measured on a busy machine: the TP-2 step at batch 4 below the one at batch 3.
+    The curve stays non-decreasing, and beyond its last point TP grows as DP does
+    (flat would predict unbounded capacity for the mode measured at small batches)."""
+    costs = Costs({1: 5.5, 2: 6.0}, {
+        1: Curve.of([(1, 5.5), (4, 7.6), (16, 22.0)]),
+        2: Curve.of([(1, 6.0), (3, 15.7), (4, 11.8)]),
+    })
+    assert costs.decode(2, 4) == pytest.approx(15.7)
+    assert costs.decode(2, 16) == pytest.approx(15.7 * 22.0 / 7.6)
+
+
 def test_costs_json_round_trip():
     doc = json.loads(json.dumps(TP_ALWAYS.to_json()))
     assert Costs.from_json(doc) == TP_ALWAYS
