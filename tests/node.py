@@ -52,7 +52,7 @@ def engine_counter(doc: dict, key: str) -> list:
 
 def greedy(server, ids: list[int], n: int, headers: dict | None = None) -> dict:
     """A greedy ``/generate`` of ``n`` tokens (EOS ignored); the JSON answer (asserts 200)."""
-    r = server.post("/generate", _greedy_payload(ids, n), headers=headers or {}, timeout=600)
+    r = server.post("/generate", greedy_payload(ids, n), headers=headers or {}, timeout=600)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -64,7 +64,7 @@ def greedy_on(server, ids: list[int], n: int, rank: int) -> tuple[threading.Thre
     result: dict = {}
 
     def run() -> None:
-        r = server.post("/generate", {**_greedy_payload(ids, n), "routed_dp_rank": rank}, timeout=900)
+        r = server.post("/generate", {**greedy_payload(ids, n), "routed_dp_rank": rank}, timeout=900)
         result.update(r.json(), status_code=r.status_code)
 
     thread = threading.Thread(target=run, daemon=True)
@@ -72,7 +72,7 @@ def greedy_on(server, ids: list[int], n: int, rank: int) -> tuple[threading.Thre
     return thread, result
 
 
-def _greedy_payload(ids: list[int], n: int) -> dict:
+def greedy_payload(ids: list[int], n: int) -> dict:
     return {
         "input_ids": ids,
         "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True},
@@ -110,3 +110,51 @@ def stream_ids(server, payload: dict, headers: dict | None = None) -> tuple[list
             out = got if out == got[: len(out)] and len(got) >= len(out) else out + got
             meta, chunks = doc["meta_info"], chunks + 1
     return out, meta, chunks
+
+
+def delta(after: dict, before: dict, key: str) -> int:
+    """How much ``key`` (summed over the engines) grew from ``before`` to ``after``."""
+    return total(after, key) - total(before, key)
+
+
+def tp_then_dp(server, long_prompt: list[int], short_prompt: list[int], degree: int,
+               long_n: int, short_n: int) -> tuple[dict, dict, dict]:
+    """A long TP-``degree`` request (``long_n`` tokens) on a node whose engines are all
+    in its group, then, once that group runs, a short DP request (``short_n``): DP work
+    on a member, which a ``--flying-move-to-dp all`` session answers by moving its
+    request to DP. Returns (status before, long answer, short answer)."""
+    before = wait_idle(server)
+    result: dict = {}
+    headers = {"X-Flying-TP": str(degree)}
+    group = threading.Thread(
+        target=lambda: result.update(greedy(server, long_prompt, long_n, headers)), daemon=True
+    )
+    group.start()
+
+    def group_runs() -> bool:
+        doc = status(server)
+        return all(m == f"tp{degree}" for m in engine_counter(doc, "mode")) and (
+            doc["totals"]["tp_steps"] > before["totals"]["tp_steps"] + 20
+        )
+
+    until(group_runs, f"the TP-{degree} session did not start")
+    short = greedy(server, short_prompt, short_n)
+    group.join(timeout=600)
+    return before, result, short
+
+
+def dp_then_tp(server, long_prompt: list[int], short_prompt: list[int], degree: int,
+               long_n: int, short_n: int) -> tuple[dict, dict, dict]:
+    """A long DP request (``long_n`` tokens) on engine 0, then, once it decodes, a short
+    TP-``degree`` request binding the group led by engine 0, which the running request
+    joins under ``--flying-move-to-dp all``. Returns (status before, long answer,
+    short answer)."""
+    before = wait_idle(server)
+    dp, result = greedy_on(server, long_prompt, long_n, 0)  # engine 0: the group's leader
+    until(lambda: delta(status(server), before, "prefill_tokens") >= len(long_prompt),
+          "the DP request did not start")
+    time.sleep(0.5)  # some DP decode steps
+    short = greedy(server, short_prompt, short_n, {"X-Flying-TP": str(degree)})
+    dp.join(timeout=600)
+    assert result.pop("status_code") == 200, result
+    return before, result, short

@@ -23,13 +23,15 @@ import pytest
 
 from tests.conftest import demo_server
 from tests.node import (
+    delta,
+    dp_then_tp,
     engine_counter,
     greedy,
     greedy_on,
     settled,
     status,
     stream_ids,
-    total,
+    tp_then_dp,
     until,
     wait_idle,
 )
@@ -50,46 +52,23 @@ def move_server(demo_model_dir, tmp_path_factory):
     )
 
 
-def _delta(after: dict, before: dict, key: str) -> int:
-    return total(after, key) - total(before, key)
+_delta = delta
 
 
 def _tp_then_dp(server, seed: int) -> tuple[dict, dict, dict, list, list]:
     """A long TP-2 request, then (once its group runs) a short DP request; returns
     (status before, long answer, short answer, long prompt, short prompt)."""
-    before = wait_idle(server)
     long_prompt, short_prompt = prompts(2, 40, seed=seed)
-    result: dict = {}
-    group = threading.Thread(
-        target=lambda: result.update(greedy(server, long_prompt, LONG, TP2)), daemon=True
-    )
-    group.start()
-
-    def group_runs() -> bool:
-        doc = status(server)
-        return all(m == "tp2" for m in engine_counter(doc, "mode")) and (
-            doc["totals"]["tp_steps"] > before["totals"]["tp_steps"] + 20
-        )
-
-    until(group_runs, "the TP-2 session did not start")
-    short = greedy(server, short_prompt, SHORT)
-    group.join(timeout=600)
-    return before, result, short, long_prompt, short_prompt
+    before, long, short = tp_then_dp(server, long_prompt, short_prompt, 2, LONG, SHORT)
+    return before, long, short, long_prompt, short_prompt
 
 
 def _dp_then_tp(server, seed: int) -> tuple[dict, dict, dict, list, list]:
     """A long DP request on engine 0, then (once it decodes) a short TP-2 request;
     returns (status before, long answer, short answer, long prompt, short prompt)."""
-    before = wait_idle(server)
     long_prompt, short_prompt = prompts(2, 36, seed=seed)
-    dp, result = greedy_on(server, long_prompt, LONG, 0)  # engine 0: the group's leader
-    until(lambda: _delta(status(server), before, "prefill_tokens") >= len(long_prompt),
-           "the DP request did not start")
-    time.sleep(0.5)  # some DP decode steps
-    short = greedy(server, short_prompt, SHORT, TP2)
-    dp.join(timeout=600)
-    assert result.pop("status_code") == 200, result
-    return before, result, short, long_prompt, short_prompt
+    before, long, short = dp_then_tp(server, long_prompt, short_prompt, 2, LONG, SHORT)
+    return before, long, short, long_prompt, short_prompt
 
 
 def test_a_running_group_request_moves_to_dp_when_dp_work_arrives(move_server, demo_model_dir):
