@@ -83,7 +83,8 @@ class FlyingConfig:
     #: only when the predicted gain over it outlasts the change's measured cost.
     phase_s: float = _POLICY.phase_s
     #: Where the DP controller appends its decision log (JSON lines: inputs, decision,
-    #: reason) for ``python -m scheduler.replay``; empty: no log.
+    #: reason), and the engines every layout change they make (moves to DP, joins,
+    #: upgrades' joins), for ``python -m scheduler.replay``; empty: no log.
     decision_log: str = ""
     #: Whether a client may set its request's priority (``X-Priority`` and SGLang's body
     #: ``priority`` field): "trust" reads both; "ignore" drops both (SGLang's default
@@ -205,7 +206,7 @@ _HELP = {
     "slo_ttft": "Node TTFT SLO in ms for the adaptive policy's goodput (0: 4x the measured quiet TTFT).",
     "slo_tpot": "Node TPOT SLO in ms for the adaptive policy's goodput (0: 1.5x the measured quiet TPOT).",
     "phase_s": "Seconds a traffic phase is expected to last: a layout change must gain more over it than it costs.",
-    "decision_log": "File the controller appends its decisions to (JSON lines, for python -m scheduler.replay).",
+    "decision_log": "File the controller and engines append decisions and layout changes to (JSON lines, for python -m scheduler.replay).",
     "experimental_cuda_groups": "Allow TP groups on CUDA engines (unverified; off by default).",
     "client_priority": "trust: clients set priority (X-Priority, body priority); ignore: both dropped.",
     "client_tp": "trust: clients may force a TP group with X-Flying-TP; ignore: the header is dropped.",
