@@ -9,14 +9,27 @@ engine's whole pool holds, every one equal to transformers' greedy continuation.
 engine 1 (not the group's leader) its KV comes from engine 1 and the leader streams the
 rest. KV slots and request rows return to their initial counts. A fault while the
 request moves leaves it in DP, where it ends at the engine's limit as in plain SGLang.
+Every layout change the node made (upgrades, and a move to DP and a join under
+``--flying-move-to-dp all``) is in its decision log, which replays with no difference.
 """
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from scheduler import replay
 from tests.conftest import demo_server
-from tests.node import engine_counter, settled, stream_ids, wait_idle
+from tests.node import (
+    delta,
+    dp_then_tp,
+    engine_counter,
+    settled,
+    stream_ids,
+    tp_then_dp,
+    wait_idle,
+)
 from tests.reference import greedy_tokens, prompts
 
 pytestmark = pytest.mark.integration
@@ -26,10 +39,18 @@ SLOTS = 400  # KV slots per engine: a 40-token prompt outgrows one engine after 
 
 @pytest.fixture(scope="module")
 def upgrade_server(demo_model_dir, tmp_path_factory):
-    yield from demo_server(
-        demo_model_dir, tmp_path_factory.mktemp("upgrade") / "server.log",
-        "--max-total-tokens", str(SLOTS), env={"FLYING_TEST_FAULTS": "1"},
+    """Moves and joins for any group (``all``: explicit binds too), every decision and
+    layout change logged."""
+    log_dir = tmp_path_factory.mktemp("upgrade")
+    servers = demo_server(
+        demo_model_dir, log_dir / "server.log", "--max-total-tokens", str(SLOTS),
+        "--flying-move-to-dp", "all", "--flying-decision-log", str(log_dir / "decisions.jsonl"),
+        env={"FLYING_TEST_FAULTS": "1"},
     )
+    server = next(servers)
+    server.decisions = log_dir / "decisions.jsonl"
+    yield server
+    servers.close()
 
 
 def _unbounded(ids: list[int], rank: int, stream: bool = False) -> dict:
@@ -111,3 +132,45 @@ def test_a_fault_while_upgrading_leaves_the_request_in_dp(upgrade_server, demo_m
     slots = engine_counter(before, "total_kv_slots")[0]
     assert len(prompt) + len(ids) < slots  # one engine's bound, as without Flying
     assert ids == greedy_tokens(demo_model_dir, prompt, len(ids))
+
+
+def _logged(server) -> list[dict]:
+    return [json.loads(x) for x in server.decisions.read_text().splitlines()]
+
+
+def test_every_layout_change_is_in_the_decision_log_and_replays(upgrade_server, capsys):
+    """An upgrade (the module's first tests made some; one more if this test runs
+    alone), a group's request moved to DP and a DP request joining a group: each is
+    logged with its inputs and each member's measured cost, and replaying the log
+    reproduces every decision in it."""
+    if not any(x.get("kind") == "upgrade_join" for x in _logged(upgrade_server)):
+        (prompt,) = prompts(1, 40, seed=151)
+        r = upgrade_server.post("/generate", _unbounded(prompt, 0), timeout=900)
+        assert r.status_code == 200, r.text
+    before = wait_idle(upgrade_server)
+    tp_then_dp(upgrade_server, *prompts(2, 40, seed=157), 2, 240, 8)
+    dp_then_tp(upgrade_server, *prompts(2, 36, seed=163), 2, 240, 8)
+    after = settled(upgrade_server, before)
+    assert delta(after, before, "moved_to_dp") == 1 and delta(after, before, "moved_to_tp") == 1
+
+    lines = _logged(upgrade_server)
+    assert list(lines[0]) == ["config", "node"]  # the head, first
+    by_kind: dict[str, list[dict]] = {}
+    for line in lines[1:]:
+        by_kind.setdefault(line.get("kind", "place"), []).append(line)
+    assert {"upgrade", "upgrade_join", "move", "join"} <= set(by_kind), set(by_kind)
+    assert all(x["decision"]["mode"] == "tp" for x in by_kind["upgrade"])
+    for kind in ("upgrade_join", "move", "join"):  # every member's own line, with costs
+        done = [x for x in by_kind[kind] if x.get("ms") is not None]
+        assert {x["rank"] for x in done} == {0, 1}, (kind, done)
+        assert all(x["ms"] > 0 for x in done) and sum(x["tokens"] for x in done) > 0, done
+    move = [x for x in by_kind["move"] if x["owners"] is not None]
+    assert sum(x["requests"] for x in move) == 1 and all(x["bytes_in"] > 0 for x in move)
+    assert all(x["joined"] >= 1 and x["kv_bytes"] > 0 for x in by_kind["join"])
+    assert all(x["joined"] == 1 and x["total"] > SLOTS for x in by_kind["upgrade_join"]
+               if "joined" in x)
+
+    assert replay.main([str(upgrade_server.decisions)]) == 0
+    report = capsys.readouterr().out.splitlines()
+    for kind in ("upgrade", "upgrade_join", "move", "join"):
+        assert f"{kind}: {len(by_kind[kind])} replayed, 0 differ" in report, report
