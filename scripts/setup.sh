@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create .venv (if missing) and install Flying with its test, benchmark and router extras
-# (the router extra: sglang-router, for tests/integration/test_router.py).
+# (the router extra: sglang-router and smg, for tests/integration/test_router.py).
 # Idempotent: a second run only checks that everything is installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -9,7 +9,7 @@ if [ ! -x .venv/bin/python ]; then
   echo "[setup] creating .venv with $($PY --version)"
   "$PY" -m venv .venv
 fi
-if ! .venv/bin/python -c "import flying, sglang, pytest, matplotlib, sglang_router" 2>/dev/null; then
+if ! .venv/bin/python -c "import flying, sglang, pytest, matplotlib, sglang_router, smg" 2>/dev/null; then
   echo "[setup] installing sglang==0.5.23 and Flying (first time: ~5-7 min)"
   .venv/bin/pip install --upgrade pip 2>&1 | tail -1
   .venv/bin/pip install --progress-bar off -e ".[test,bench,router]" 2>&1 \
