@@ -37,5 +37,9 @@ def attach(scheduler) -> None:
         move_to_dp=cfg.move_to_dp, upgrades=upgrades,
     )
     engine.prepare(scheduler)  # every degree's views, KV view and backend, now
+    if not any(p.per_slot > 1 for p in engine.prepared.values()):
+        # One KV head replicated on every rank: no group pools more than this engine's
+        # KV (a DP slot holds one token of it: ``layout.KvSplit``), nothing to grow into.
+        engine.watch.enabled = False
     set_engine(engine)
     status.publish(pool.store, dp_rank, engine, scheduler)

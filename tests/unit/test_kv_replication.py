@@ -66,30 +66,37 @@ def test_auto_degrees_replicate_kv_heads_but_still_split_query_heads():
         validate_degrees([4], 4, 6, 24)
 
 
+#: make_policy's numbers for --max-total-tokens 1024: SGLang's own bound for one DP
+#: request (max_req_input_len + 1) and the engine's KV slots
+ENGINE_CAPACITY, SLOTS = 1019, 1024
+
+
 def test_a_replicating_group_reports_the_kv_it_really_pools():
-    slots, slack = 1018, ADMISSION_SLACK
-    plain = Node(4, (2, 4), engine_capacity=1019, engine_slots=slots, group_slack=slack)
-    assert plain.capacity(4) == 4 * slots - slack  # unknown heads: degree x, as before
-    four = Node(4, (2, 4), 1019, slots, slack, kv_heads=4)
-    assert (four.capacity(2), four.capacity(4)) == (2 * slots - slack, 4 * slots - slack)
-    two = Node(4, (2, 4), 1019, slots, slack, kv_heads=2)
-    assert two.capacity(2) == two.capacity(4) == 2 * slots - slack  # TP-4: H_kv x, not m x
-    one = Node(2, (2,), 1019, slots, slack, kv_heads=1)
-    assert one.capacity(2) == slots - slack < one.capacity(1)  # no more than one engine
+    slack = ADMISSION_SLACK
+    plain = Node(4, (2, 4), ENGINE_CAPACITY, SLOTS, slack)
+    assert plain.capacity(4) == 4 * SLOTS - slack  # unknown heads: degree x, as before
+    four = Node(4, (2, 4), ENGINE_CAPACITY, SLOTS, slack, kv_heads=4)
+    assert (four.capacity(2), four.capacity(4)) == (2 * SLOTS - slack, 4 * SLOTS - slack)
+    two = Node(4, (2, 4), ENGINE_CAPACITY, SLOTS, slack, kv_heads=2)
+    assert two.capacity(2) == two.capacity(4) == 2 * SLOTS - slack == 2044  # H_kv x, not m x
+    one = Node(2, (2,), ENGINE_CAPACITY, SLOTS, slack, kv_heads=1)
+    assert one.capacity(2) == SLOTS - slack == 1020  # one engine's slots, not two
     # The engines' own bound on an upgraded request agrees with the policy's.
-    assert new_total(slots, tokens_per_slot(2, 4), slots, 10**6) == two.capacity(4)
+    assert new_total(SLOTS, tokens_per_slot(2, 4), SLOTS, 10**6) == two.capacity(4)
+    assert new_total(SLOTS, tokens_per_slot(1, 2), SLOTS, 10**6) == one.capacity(2)
 
 
 def test_the_policy_places_and_refuses_by_the_replicated_capacity():
-    two = Policy(PolicyConfig(policy="manual"), Node(4, (2, 4), 1019, 1018, ADMISSION_SLACK, kv_heads=2))
-    fits = Request(prompt_len=1500, max_new_tokens=100, explicit_degree=4)
+    node = Node(4, (2, 4), ENGINE_CAPACITY, SLOTS, ADMISSION_SLACK, kv_heads=2)
+    two = Policy(PolicyConfig(policy="manual"), node)
+    fits = Request(prompt_len=1900, max_new_tokens=100, explicit_degree=4)
     assert two.decide(fits).mode == "tp"
-    too_long = Request(prompt_len=2500, max_new_tokens=100, explicit_degree=4)
+    too_long = Request(prompt_len=2000, max_new_tokens=100, explicit_degree=4)
     decision = two.decide(too_long)
-    assert decision.mode == "reject" and "2032 tokens" in decision.reason, decision
-    # One KV head: a TP-2 group holds less than one engine, so nothing upgrades into it.
-    one = Policy(PolicyConfig(), Node(2, (2,), 1019, 1018, ADMISSION_SLACK, kv_heads=1))
-    assert one.upgrade(0).mode == "dp"
+    assert decision.mode == "reject" and "2044 tokens" in decision.reason, decision
+    # Long context picks the smallest degree that holds it: TP-2 holds as much as TP-4.
+    assert Policy(PolicyConfig(), node).decide(Request(1500, 100)).degree == 2
+    one = Policy(PolicyConfig(), Node(2, (2,), ENGINE_CAPACITY, SLOTS, ADMISSION_SLACK, kv_heads=1))
     assert one.decide(Request(prompt_len=1100, max_new_tokens=10)).mode == "reject"
 
 
