@@ -340,13 +340,19 @@ def test_the_router_drops_flying_request_headers(cluster):
     has no option to add one: ``X-Flying-TP`` and ``X-Priority`` never reach the node,
     which places the request by its own policy (static-dp here). The same request sent to
     a node directly runs in a group. If a router release starts forwarding them, this
-    fails: update docs/ROUTER.md."""
+    fails: update docs/ROUTER.md. A header on the list does reach the node: a routing key
+    with Flying's reserved prefix ``flying:`` is refused by the node itself (400), and the
+    router hands that answer back."""
     for headers in ({"X-Flying-TP": "2"}, {"X-Priority": "high"}):
         via_router = cluster.post("/generate", _generate(), headers=headers)
         assert via_router.json()["meta_info"]["flying"]["mode"] == "dp", headers
         node = cluster.nodes[via_router.headers["x-flying-node"]]
         direct = node.post("/generate", _generate(), headers=headers).json()
         assert direct["meta_info"]["flying"]["mode"] == "tp", (headers, direct["meta_info"])
+    refused = requests.post(cluster.router.url + "/generate", json=_generate(),
+                            headers={"x-smg-routing-key": "flying:tp=2"}, timeout=60)
+    assert refused.status_code == 400 and "reserved" in refused.text, refused.text
+    assert refused.headers.get("x-flying-node") in cluster.nodes, refused.headers
 
 
 class GroupSession:
@@ -387,17 +393,19 @@ def _wait_for(what: str, check, session: GroupSession, timeout_s: float = 60):
     raise AssertionError(f"{what}: not seen while the group session ran")
 
 
-def _router_load(cluster: Cluster, url: str) -> int:
+def _router_load(cluster: Cluster, url: str) -> int | None:
     """The router's own view of one node's load (what its load-aware policies compare):
     sglang-router fans out to Flying's ``/get_load`` (summed ``num_tokens``; -1 where it
     cannot read one); smg answers from its last poll of SGLang's ``/v1/loads`` (summed
-    ``num_used_tokens`` over the node's DP ranks)."""
+    ``num_used_tokens`` over the node's DP ranks; None before its first poll)."""
     if cluster.router.kind == "sglang-router":
         view = requests.get(cluster.router.url + "/get_loads", timeout=10).json()
         loads = {w["worker"]: w["load"] for w in view["workers"]}
         assert set(loads) == {s.url for s in cluster.nodes.values()}, view
         return int(loads[url])
     entries = _smg_loads(cluster.router, url)
+    if not entries:
+        return None
     assert sorted(e["dp_rank"] for e in entries) == [0, 1], entries
     return sum(int(e["num_used_tokens"]) for e in entries)
 
@@ -430,7 +438,7 @@ def test_the_router_reads_a_node_load_that_counts_a_group_session(cluster):
     seen = _wait_for("the group in /get_load", group_in_get_load, session)
     assert all(e["num_tokens"] >= e["flying"]["session_tokens"] for e in seen), seen
     _wait_for(f"{cluster.router.kind}'s load of node-a",
-              lambda: _router_load(cluster, node.url) > 0, session)
+              lambda: (_router_load(cluster, node.url) or 0) > 0, session)
     if cluster.router.kind == "smg":
         _smg_vetoes_the_busy_node(cluster, session)
     session.join()
@@ -491,9 +499,11 @@ def test_smg_power_of_two_avoids_the_node_running_a_group(nodes, routers, tmp_pa
         session.join()
     finally:
         router.stop()
-    assert sum(served.values()) >= 4, served
-    # smg also charges its own dispatches between two polls, so the idle node is not
-    # chosen every time; it is chosen at least three times as often.
+    # An 800-step session lasts ~5 s on an idle 2-core machine: room for 3 requests or more.
+    assert sum(served.values()) >= 3, served
+    # smg also charges its own dispatches between two polls (requests closer together than
+    # here reach the busy node now and then); the idle node is chosen at least three times
+    # as often.
     assert served["node-b"] >= 3 * served["node-a"], served
 
 
