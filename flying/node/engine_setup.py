@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from flying.node.config import get_config
-from flying.session import status
+from flying.session import layout_log, status
 from flying.session.engine import FlyingEngine, set_engine
 from flying.substrate.comm_pool import CommPool, store_address
 
@@ -17,6 +17,7 @@ def attach(scheduler) -> None:
     from sglang.srt.runtime_context import get_parallel
 
     cfg = get_config()
+    layout_log.configure(cfg.decision_log)
     degrees = cfg.degree_list() or []
     address = store_address()
     if not degrees or address is None or get_parallel().tp_size != 1:

@@ -31,8 +31,6 @@ import logging
 import os
 import time
 
-from flying.node.config import get_config
-
 logger = logging.getLogger(__name__)
 
 
@@ -62,11 +60,21 @@ class Appender:
 
 
 _APPENDER: Appender | None = None
+#: This process's decision log path ("" = none); set once by the node layer at engine
+#: start-up (``configure``), so this module never reads the node's config itself.
+_PATH = ""
+
+
+def configure(path: str) -> None:
+    """Set where this process appends its layout changes ("" turns logging off)."""
+    global _PATH, _APPENDER
+    _PATH = path or ""
+    _APPENDER = None
 
 
 def enabled() -> bool:
     """Whether this process writes layout changes (a decision log is configured)."""
-    return bool(get_config().decision_log)
+    return bool(_PATH)
 
 
 def write(kind: str, doc: dict) -> None:
@@ -77,7 +85,7 @@ def write(kind: str, doc: dict) -> None:
         return
     try:
         if _APPENDER is None:
-            _APPENDER = Appender(get_config().decision_log)
+            _APPENDER = Appender(_PATH)
         _APPENDER.line(json.dumps({"kind": kind, "t": time.time(), **doc}))
     except Exception:  # noqa: BLE001 - logging must never take a session down
         logger.exception("flying: could not log a %s", kind)

@@ -9,7 +9,6 @@ import multiprocessing
 
 import pytest
 
-from flying.node import config
 from flying.session import layout_log
 from scheduler import replay
 from scheduler.policy import Decision, EngineLoad, Node, Policy, PolicyConfig, Request
@@ -230,16 +229,15 @@ def test_nothing_is_written_without_a_log_and_a_failed_write_never_raises(
     monkeypatch, tmp_path
 ):
     monkeypatch.setattr(layout_log, "_APPENDER", None)
-    monkeypatch.setattr(config, "_CONFIG", config.FlyingConfig())
+    monkeypatch.setattr(layout_log, "_PATH", "")
+    layout_log.configure("")
     assert not layout_log.enabled()
     layout_log.write("move", {"x": 1})
     assert layout_log._APPENDER is None  # not even opened
-    monkeypatch.setattr(config, "_CONFIG", config.FlyingConfig(
-        decision_log=str(tmp_path / "missing" / "log.jsonl")))
+    layout_log.configure(str(tmp_path / "missing" / "log.jsonl"))
     layout_log.write("move", {"x": 1})  # cannot open: logged, dropped
     layout_log.write("move", {"x": object()})  # cannot encode: logged, dropped
-    monkeypatch.setattr(layout_log, "_APPENDER", None)
-    monkeypatch.setattr(config, "_CONFIG", config.FlyingConfig(decision_log=str(tmp_path / "l")))
+    layout_log.configure(str(tmp_path / "l"))
     layout_log.write("join", {"x": 2})
     doc = json.loads((tmp_path / "l").read_text())
     assert doc["kind"] == "join" and doc["x"] == 2 and doc["t"] > 0
