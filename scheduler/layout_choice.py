@@ -17,7 +17,8 @@ keeps or changes its layout:
 - hysteresis: a goodput gain must exceed ``GOODPUT_MARGIN`` of the current layout's
   goodput across the rate estimate's uncertainty (at the rate, and one standard
   error below and above it: a Poisson stream's 30 s window varies by +-15 % at 1.5
-  req/s), a change for latency must not lose goodput, and a layout is kept at least
+  req/s; at the band's edges the gain in the share within SLO counts, so behind one
+  arrival a layout that meets the SLOs where the current one misses them wins), a change for latency must not lose goodput, and a layout is kept at least
   ``DWELL_S`` seconds, so a steady rate near the crossover does not flap;
 - the layouts are evaluated at most every ``EVALUATE_S`` (requests in between take
   the current layout), with each degree's capacity cached for the costs and the
@@ -43,6 +44,8 @@ GOODPUT_MARGIN = 0.05
 DWELL_S = 5.0
 #: How often the layouts are evaluated (seconds).
 EVALUATE_S = 0.25
+#: The lowest edge of the rate's uncertainty band, as a share of the rate.
+MIN_BAND = 0.01
 
 
 def _sig2(x: float) -> float:
@@ -101,12 +104,17 @@ class LayoutChooser:
     def _robust_gain(self, best: Layout, costs: Costs, traffic: Traffic, queued: float,
                      slo: Slo) -> float:
         """The least goodput gain of ``best`` over the current layout across the rate
-        estimate's one-standard-error band."""
+        estimate's one-standard-error band, at the estimated rate: at each edge of the
+        band the gain in the share of requests within SLO, times the rate. (An
+        absolute gain vanishes where the band reaches 0 req/s, as it does behind one
+        arrival, though a layout that meets the SLOs where the other misses them is
+        better at any rate; the edge is kept above 0 for that.)"""
         gains = []
         for k in (-1.0, 1.0):
-            rate = max(0.0, traffic.rate * (1.0 + k * traffic.uncertainty))
+            rate = max(MIN_BAND * traffic.rate, traffic.rate * (1.0 + k * traffic.uncertainty))
             preds = self.predict_all(costs, traffic, queued, slo, rate)
-            gains.append(preds[best].goodput - preds[self.current].goodput)
+            share = (preds[best].goodput - preds[self.current].goodput) / rate
+            gains.append(share * traffic.rate)
         return min(gains)
 
     def _latency(self, lay: Layout, p: Prediction, output: float) -> float:

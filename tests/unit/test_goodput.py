@@ -153,7 +153,22 @@ BURSTY = [(30.0, 0.25), (10.0, 6.0), (30.0, 0.25)]
 
 def test_a_group_faster_at_every_load_is_kept_through_a_burst():
     trace = _run(TP_ALWAYS, BURSTY)
-    assert {name for _, name in trace[3:]} == {"1xTP2"}
+    assert {name for _, name in trace} == {"1xTP2"}
+
+
+def test_the_first_arrival_takes_the_layout_that_meets_the_slo():
+    """Behind one arrival the rate's band reaches 0 req/s, where every layout's
+    goodput is 0; a group that meets the SLOs where DP misses them is still better."""
+    policy = Policy(PolicyConfig("adaptive").validate(), NODE)
+    arrivals = Arrivals()
+    arrivals.note(100.0, 24, 12)
+    traffic = arrivals.traffic(100.0)
+    assert traffic.n_long == 1 and traffic.uncertainty == 1.0
+    loads = [EngineLoad(0, 0, 0), EngineLoad(1, 0, 0)]
+    decision = policy.decide(Request(24, 12), loads, TP_ALWAYS, traffic, SwitchCosts())
+    preds = policy.last_choice.predictions
+    assert preds["1xTP2"]["goodput"] > preds["2xDP"]["goodput"]
+    assert decision.mode == "tp", policy.last_choice.reason
 
 
 def test_a_group_worse_under_load_is_left_for_the_burst_and_taken_back_after():
