@@ -25,6 +25,7 @@ import pytest
 
 from flying.node.placement import SLOTS_ABOVE_INPUT_LIMIT
 from flying.session.budget import ADMISSION_SLACK
+from flying.session.faults import DELAY_ENV
 from tests.conftest import serve
 from tests.models import ensure_model
 from tests.node import (
@@ -89,6 +90,10 @@ def server(case: Case, model_dir: Path, tmp_path_factory) -> Iterator[Server]:
         "--model-path", str(model_dir), "--dp-size", str(case.engines),
         "--max-total-tokens", str(SLOTS), "--flying-policy", "manual",
         "--flying-move-to-dp", "all",
+        # These checkpoints decode ~1000 tokens/s: every step 4 ms slower keeps the
+        # running request of the move and join tests decoding (600 tokens, >= 2.4 s)
+        # until the other request arrives, on any machine.
+        env={DELAY_ENV: "1:4,2:4,4:4"},
     )
 
 
