@@ -1,0 +1,177 @@
+"""``python -m workloads.simulate``: one trace, one node, several policies, simulated.
+
+    python -m workloads.simulate --preset cpu-burst --profile cpu-demo --engines 2 \\
+        --policies static-dp,static-tp,adaptive [--goodput ttft:100 tpot:20] --out DIR
+    python -m workloads.simulate --preset paper --profile h200-llama3-8b --engines 8 \\
+        --policies static-dp,static-tp2,static-tp4,static-tp8,adaptive
+    python -m workloads.simulate --profile-from-log decisions.jsonl --preset cpu-burst
+    python -m workloads.simulate --preset paper --profile h100-llama3-8b \\
+        --arrival poisson --rates 10,20,40,80        # goodput against rate
+
+Every trace option of the other tools works (``workloads.cli``), and every Flying flag
+(``--flying-move-to-dp``, ``--flying-slo-ttft``, ...: ``flying.node.config``) applies
+to every policy. Prints a side-by-side table per policy, and per phase where the trace
+has phases; with ``--out``, writes per policy the records (``records.jsonl``, the
+client's format), the summary, the decision log (``decisions.jsonl``, replayable by
+``python -m scheduler.replay``) and the layout over time, plus ``report.md`` and
+``simulated.png``. Every output says it is simulated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from flying.node.config import add_cli_args, from_cli_args
+from workloads.cli import add_goodput_args, add_trace_args, slos_from_args, trace_from_args
+from workloads.metrics import Summary, summarize
+from workloads.records import save_records
+from workloads.sim import profile as profiles
+from workloads.sim.run import SimResult, policy_settings, simulate
+
+DEFAULT_POLICIES = "static-dp,static-tp,adaptive"
+
+
+def parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m workloads.simulate",
+                                     description=__doc__.splitlines()[0])
+    add_trace_args(parser, default_preset="cpu-burst")
+    add_goodput_args(parser)
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--profile", help=f"a profile file, or one of: {', '.join(profiles.shipped())}")
+    where.add_argument("--profile-from-log", metavar="JSONL",
+                       help="build the profile from a node's --flying-decision-log")
+    where.add_argument("--profile-from-status", metavar="JSON",
+                       help="build the profile from a saved /flying/status document")
+    parser.add_argument("--kv-heads", type=int, default=0,
+                        help="the model's KV heads (a status document does not say)")
+    parser.add_argument("--save-profile", metavar="JSON", help="write the profile used here")
+    parser.add_argument("--engines", type=int, help="engines (default: the profile's node)")
+    parser.add_argument("--policies", default=DEFAULT_POLICIES,
+                        help="comma list: static-dp, static-tp, static-tpM, adaptive, manual")
+    parser.add_argument("--rates", help="comma list of req/s: re-time the trace at each "
+                        "(--arrival, default poisson) and print goodput against rate")
+    parser.add_argument("--out", help="directory for records, summaries, logs, report, plot")
+    parser.add_argument("--no-plot", action="store_true")
+    add_cli_args(parser)
+    return parser.parse_args(argv)
+
+
+def load_profile(args: argparse.Namespace) -> profiles.Profile:
+    if args.profile_from_log:
+        return profiles.from_decision_log(args.profile_from_log)
+    if args.profile_from_status:
+        return profiles.from_status(args.profile_from_status, kv_heads=args.kv_heads)
+    return profiles.load(args.profile or "cpu-demo")
+
+
+def _get(summary: Summary, *path: str) -> float | None:
+    value = summary
+    for key in path:
+        if not isinstance(value, dict) or value.get(key) is None:
+            return None
+        value = value[key]
+    return float(value)
+
+
+def _f(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def row(stats: Summary) -> list[str]:
+    """TTFT p50/p90, TPOT p50, ITL p99, goodput and SLO attainment of one group."""
+    good = stats.get("goodput") or {}
+    att = good.get("slo_attainment")
+    return [_f(_get(stats, "ttft_ms", "p50")), _f(_get(stats, "ttft_ms", "p90")),
+            _f(_get(stats, "tpot_ms", "p50"), 2), _f(_get(stats, "itl_ms", "p99"), 2),
+            _f(good.get("request_goodput"), 2), _f(None if att is None else 100 * att)]
+
+
+def table(results: Sequence[SimResult], summaries: Sequence[Summary]) -> str:
+    """The side-by-side markdown table (and one per phase where there are phases)."""
+    base = _get(summaries[0], "throughput", "output_throughput") if summaries else None
+    head = ["policy", "TTFT p50", "TTFT p90", "TPOT p50", "ITL p99", "goodput req/s",
+            "SLO att. %", "output tok/s", f"vs {results[0].policy}", "sessions", "moves",
+            "done/n"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for res, s in zip(results, summaries, strict=True):
+        tok = _get(s, "throughput", "output_throughput")
+        ratio = _f(tok / base, 3) if tok and base else "-"
+        c, o = res.counters, s["overall"]
+        lines.append("| " + " | ".join([res.policy, *row(o), _f(tok), ratio,
+                                         str(c["sessions"]), str(c["moves"]),
+                                         f"{o['completed']}/{o['count']}"]) + " |")
+    phases = sorted({p for s in summaries for p in s.get("by_phase", {})})
+    if len(phases) > 1:
+        lines += ["", "| policy | phase | TTFT p50 | TTFT p90 | TPOT p50 | ITL p99 | "
+                      "goodput req/s | SLO att. % |", "|" + "---|" * 8]
+        for res, s in zip(results, summaries, strict=True):
+            for phase in phases:
+                stats = s["by_phase"].get(phase)
+                if stats:
+                    lines.append("| " + " | ".join([res.policy, phase, *row(stats)]) + " |")
+    return "\n".join(lines)
+
+
+def describe(profile: profiles.Profile, engines: int, slos: dict[str, float]) -> str:
+    return (f"SIMULATED (workloads.simulate), not measured: profile `{profile.name}` "
+            f"({profile.kind}: {profile.source}), {engines} engines, KV "
+            f"{profile.kv_tokens} tokens/engine; goodput SLOs "
+            + ", ".join(f"{k} <= {v:g} ms" for k, v in slos.items()))
+
+
+def write(out: Path, results: Sequence[SimResult], summaries: Sequence[Summary],
+          report: str, plot_title: str | None) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    for res, s in zip(results, summaries, strict=True):
+        run = out / res.policy
+        run.mkdir(exist_ok=True)
+        save_records(res.records, run / "records.jsonl")
+        (run / "summary.json").write_text(json.dumps({"simulated": True, **s}, indent=1) + "\n")
+        (run / "decisions.jsonl").write_text("".join(line + "\n" for line in res.decisions))
+        (run / "layout.json").write_text(json.dumps(
+            {"simulated": True, "degrees": list(res.degrees), "counters": res.counters,
+             "layout": [[round(t, 6), ds] for t, ds in res.layout]}) + "\n")
+    (out / "report.md").write_text(report + "\n")
+    if plot_title is not None:
+        from workloads.sim.plots import plot
+
+        plot(results, out / "simulated.png", plot_title)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse(argv)
+    base = from_cli_args(args)
+    profile = load_profile(args)
+    if args.save_profile:
+        profile.save(args.save_profile)
+    engines = args.engines or profile.max_engines
+    slos = slos_from_args(args)
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if args.rates:
+        from workloads.sim.sweep import sweep
+
+        print(sweep(args, profile, engines, base, policies, slos))
+        return 0
+    trace, source = trace_from_args(args)
+    results, summaries = [], []
+    for name in policies:
+        res = simulate(trace, profile, engines, policy_settings(name, base), name=name)
+        results.append(res)
+        summaries.append(summarize(res.records, slos=slos))
+        print(f"[simulate] {name}: {len(trace)} requests in {res.wall_s:.1f} s "
+              f"(degrees {list(res.degrees) or 'none'})", file=sys.stderr)
+    command = shlex.join(["python", "-m", "workloads.simulate",
+                          *(sys.argv[1:] if argv is None else argv)])
+    report = "\n\n".join([f"# {describe(profile, engines, slos)}", f"`{command}`",
+                          f"Trace: {source}", table(results, summaries),
+                          "Profile assumptions: " + "; ".join(profile.assumptions or ("none",))])
+    print(report)
+    if args.out:
+        title = f"{profile.name}, {engines} engines, {source.split(':')[0]}"
+        write(Path(args.out), results, summaries, report, None if args.no_plot else title)
+    return 0

@@ -1,0 +1,398 @@
+"""The simulated node: engines, binds in one total order, group sessions, DP steps.
+
+What the real node does with a decision, as ``flying.session`` does it:
+
+- a DP request goes to an engine by SGLang's round robin (every engine, grouped or
+  not: SGLang's dispatch does not know about groups) and joins its waiting queue;
+- a bind goes to every member's pending queue, in the controller's one order. An
+  engine without a session takes the bind at its queue's head at a step boundary and
+  waits there (hard preemption: no DP step) until every member has taken it; then
+  the members vote (each reserves the request's KV, ``ceil(tokens / per_slot)``
+  slots) and the session starts ``bind_ms`` later, or, if one cannot reserve, the
+  leader runs the request in DP. A rendezvous not complete ``bind_timeout_s`` after
+  its first member arrived is aborted the same way;
+- a session steps as one server (``batching``) over its members: a group step runs
+  when every member is at its boundary; after it, a member with DP work runs one DP
+  step (a member without waits in the next group step's collective); same-group binds
+  at the head of the leader's queue join at a boundary while every member can
+  reserve their KV (else admission closes for the session); the session ends when it
+  has no request left;
+- moves and joins (``relayout``) under ``--flying-move-to-dp``.
+
+Invariants (``check``, asserted by the deadlock test): an engine is in at most one
+session, a session's members are an aligned group and all point to it, KV counts never
+go negative, and no two engines wait on each other's binds.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from scheduler.layout_choice import SwitchCosts
+from workloads.sim import relayout
+from workloads.sim.batching import Batcher, SimRequest, Step
+from workloads.sim.profile import Profile
+
+
+class Loop:
+    """Events in time order (ties: in the order they were scheduled)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self._heap: list = []
+        self._seq = 0
+
+    def at(self, t: float, fn: Callable, *args) -> None:
+        heapq.heappush(self._heap, (t, self._seq, fn, args))
+        self._seq += 1
+
+    def run(self, after: Callable[[], None] | None = None) -> None:
+        while self._heap:
+            t, _, fn, args = heapq.heappop(self._heap)
+            self.now = t
+            fn(*args)
+            if after is not None:
+                after()
+
+
+@dataclass(eq=False)
+class Bind:
+    id: str
+    degree: int
+    ranks: tuple[int, ...]
+    req: SimRequest | None
+    reason: str  # "explicit" | "long" | "priority" | "policy"
+    upgrade: SimRequest | None = None  # a running DP request that outgrew its engine
+    holder: int = -1
+    first_wait: float | None = None
+    formed: bool = False
+
+
+class Engine:
+    def __init__(self, rank: int, profile: Profile):
+        self.rank = rank
+        self.kv_total = profile.kv_tokens
+        self.dp = Batcher(1, profile.costs, profile.chunk_tokens, profile.max_running)
+        self.dp_used = 0  # KV tokens of its DP requests
+        self.reserved = 0  # KV slots sessions reserved here
+        self.session: Session | None = None
+        self.pending: deque[Bind] = deque()
+        #: "free" (at a boundary, nothing to run), "dp" (a DP step), "group" (a group
+        #: step), "wait" (in a session, waiting for its peers), "rdv" (waiting in a
+        #: bind's rendezvous), "move" (a relayout in progress)
+        self.state = "free"
+        self.dp_turn = False
+
+    def free(self) -> int:
+        return self.kv_total - self.dp_used - self.reserved
+
+
+@dataclass(eq=False)
+class Session:
+    bind: Bind
+    members: list[Engine]
+    server: Batcher
+    per_slot: int  # tokens one DP slot holds in the group (degree, or KV heads)
+    started: float
+    reasons: set[str] = field(default_factory=set)
+    reserved: int = 0  # slots held on every member (rows ever reserved: kept till release)
+    used: int = 0  # of which requests hold now
+    admitting: bool = True
+    tp_steps: int = 0
+    retry_at: int = 0
+    extra_ms: float = 0.0  # switch and join costs paid by the next group step
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return self.bind.ranks
+
+    def slots(self, tokens: int) -> int:
+        return -(-tokens // self.per_slot)
+
+    def grow(self, need: int) -> bool:
+        """Reserve room for ``need`` more slots on every member (what the session's own
+        rows do not hold yet); False, reserving nothing, if a member lacks it."""
+        more = max(0, self.used + need - self.reserved)
+        if any(m.free() < more for m in self.members):
+            return False
+        for m in self.members:
+            m.reserved += more
+        self.reserved += more
+        self.used += need
+        return True
+
+
+class SimNode:
+    """The engines and what happens at their step boundaries (module docstring)."""
+
+    def __init__(self, engines: int, profile: Profile, loop: Loop, move_to_dp: str = "policy",
+                 bind_timeout_s: float = 30.0, on_done: Callable[[SimRequest], None] = lambda r: None,
+                 on_layout: Callable[[float, list[int]], None] = lambda t, d: None,
+                 log: Callable[[dict], None] | None = None):
+        self.profile = profile
+        self.engines = [Engine(r, profile) for r in range(engines)]
+        self.loop = loop
+        self.move_to_dp = move_to_dp
+        self.bind_timeout_s = bind_timeout_s
+        self.switch: SwitchCosts = profile.switch
+        self.on_done = on_done
+        self.on_layout = on_layout
+        self.log = log
+        self.sessions: list[Session] = []
+        self._rr = 0  # SGLang's round-robin counter
+        self.counters = {"sessions": 0, "moves": 0, "joins": 0, "bind_timeouts": 0}
+
+    # -- entering the node ------------------------------------------------------------
+
+    def dispatch_dp(self, req: SimRequest, reason: str = "") -> None:
+        """SGLang's round robin over every engine."""
+        e = self.engines[self._rr % len(self.engines)]
+        self._rr += 1
+        self.queue_dp(e, req, reason)
+
+    def queue_dp(self, e: Engine, req: SimRequest, reason: str = "") -> None:
+        req.queued_at = self.loop.now
+        req.degree, req.ranks, req.where = 1, (e.rank,), e
+        req.reason = reason or req.reason
+        e.dp.waiting.append(req)
+        if e.state == "free":
+            self.boundary(e)
+
+    def issue(self, bind: Bind) -> None:
+        """Send ``bind`` to every member (the controller's order is the call order)."""
+        for r in bind.ranks:
+            self.engines[r].pending.append(bind)
+        for r in bind.ranks:
+            if self.engines[r].state == "free":
+                self.boundary(self.engines[r])
+
+    def finish(self, req: SimRequest, error: str | None = None, status: int = 200) -> None:
+        req.done, req.done_at, req.where = True, self.loop.now, None
+        req.error, req.status = error, status
+        self.on_done(req)
+
+    def abort(self, req: SimRequest) -> None:
+        """A client abort: the request leaves wherever it is, its KV is given back; a
+        bind still pending for it is voted down when it forms."""
+        if req.done:
+            return
+        where = req.where
+        if isinstance(where, Engine):
+            where.dp.remove(req)
+            where.dp_used -= req.slots
+        elif isinstance(where, Session):
+            where.server.remove(req)
+            where.used -= req.slots
+        req.slots = 0
+        self.finish(req, "aborted by the client")
+
+    # -- step boundaries --------------------------------------------------------------
+
+    def boundary(self, e: Engine) -> None:
+        s = e.session
+        if s is not None:
+            if e.dp_turn:
+                e.dp_turn = False
+                if e.dp.has_work() and self._dp_step(e):
+                    return
+            e.state = "wait"
+            self._group_boundary(s)
+            return
+        if e.pending:
+            bind = e.pending[0]
+            e.state = "rdv"
+            if bind.first_wait is None:
+                bind.first_wait = self.loop.now
+                self.loop.at(self.loop.now + self.bind_timeout_s, self._timeout, bind)
+            self._try_form(bind)
+            return
+        if not self._dp_step(e):
+            e.state = "free"
+
+    def _dp_step(self, e: Engine) -> bool:
+        step = e.dp.form(self.loop.now, lambda r: self._admit_dp(e, r))
+        if step is None:
+            return False
+        e.state = "dp"
+        self.loop.at(self.loop.now + step.ms / 1000.0, self._dp_done, e, step)
+        return True
+
+    def _admit_dp(self, e: Engine, req: SimRequest) -> bool:
+        if req.budget > e.free():
+            return False
+        e.dp_used += req.budget
+        req.slots = req.budget
+        return True
+
+    def _dp_done(self, e: Engine, step: Step) -> None:
+        e.dp.complete(step, self.loop.now, lambda r: self._done_dp(e, r))
+        e.state = "free"
+        self.boundary(e)
+
+    def _done_dp(self, e: Engine, req: SimRequest) -> None:
+        e.dp_used -= req.slots
+        req.slots = 0
+        self.finish(req)
+
+    # -- binds ------------------------------------------------------------------------
+
+    def _try_form(self, bind: Bind) -> None:
+        members = [self.engines[r] for r in bind.ranks]
+        if not all(m.state == "rdv" and m.pending and m.pending[0] is bind for m in members):
+            return
+        for m in members:
+            m.pending.popleft()
+        bind.formed = True
+        s = Session(bind, members, Batcher(bind.degree, self.profile.costs,
+                                           self.profile.chunk_tokens, self.profile.max_running),
+                    relayout.per_slot(bind.degree, self.profile.kv_heads), self.loop.now)
+        if not relayout.take_bind(self, s, bind):  # voted down: nothing to run
+            for m in members:
+                m.state = "free"
+            for m in members:
+                self.boundary(m)
+            return
+        self.sessions.append(s)
+        self.counters["sessions"] += 1
+        s.extra_ms += self.switch.bind_ms
+        for m in members:
+            m.session, m.state, m.dp_turn = s, "wait", False
+        if bind.upgrade is None:
+            relayout.join(self, s)
+        self._layout()
+        self._group_boundary(s)
+
+    def _timeout(self, bind: Bind) -> None:
+        if bind.formed:
+            return
+        bind.formed = True
+        self.counters["bind_timeouts"] += 1
+        waiting = []
+        for r in bind.ranks:
+            e = self.engines[r]
+            if bind in e.pending:
+                e.pending.remove(bind)
+                if e.state == "rdv":
+                    waiting.append(e)
+        if bind.req is not None and not bind.req.done:
+            self.queue_dp(self.engines[bind.ranks[0]], bind.req,
+                          f"TP-{bind.degree} group did not form: rendezvous timed out")
+        for e in waiting:
+            if e.state == "rdv":
+                e.state = "free"
+                self.boundary(e)
+
+    # -- sessions ---------------------------------------------------------------------
+
+    def _group_boundary(self, s: Session) -> None:
+        if any(m.state != "wait" for m in s.members):
+            return
+        wants_move = (relayout.may_move(self.move_to_dp, s.reasons)
+                      and s.tp_steps >= s.retry_at
+                      and any(m.dp.has_work() for m in s.members))
+        if wants_move and relayout.ready(s):
+            if relayout.move(self, s):
+                return
+            s.retry_at = s.tp_steps + relayout.RETRY_STEPS
+        elif s.admitting and not wants_move:
+            relayout.admit(self, s)
+        step = s.server.form(self.loop.now, lambda r: True)  # KV reserved on admission
+        if step is None:
+            self.release(s, 0.0)
+            return
+        ms = step.ms + s.extra_ms
+        s.extra_ms = 0.0
+        s.tp_steps += 1
+        for m in s.members:
+            m.state = "group"
+        self.loop.at(self.loop.now + ms / 1000.0, self._group_done, s, step)
+
+    def _group_done(self, s: Session, step: Step) -> None:
+        s.server.complete(step, self.loop.now, lambda r: self._done_tp(s, r))
+        for m in s.members:
+            m.state, m.dp_turn = "free", True
+        for m in s.members:
+            if m.state == "free":
+                self.boundary(m)
+
+    def _done_tp(self, s: Session, req: SimRequest) -> None:
+        s.used -= req.slots
+        req.slots = 0
+        self.finish(req)
+
+    def release(self, s: Session, after_ms: float) -> None:
+        """End ``s``: its reservations go back; members are free ``after_ms`` later (a
+        move's relayout), then at a boundary."""
+        for m in s.members:
+            m.reserved -= s.reserved
+            m.session, m.state, m.dp_turn = None, "move", False
+        self.sessions.remove(s)
+        self._layout()
+        self.loop.at(self.loop.now + after_ms / 1000.0, self._released, s.members)
+
+    def _released(self, members: list[Engine]) -> None:
+        for m in members:
+            m.state = "free"
+        for m in members:
+            if m.state == "free":
+                self.boundary(m)
+
+    # -- what the rest of the simulator reads -----------------------------------------
+
+    def load(self, e: Engine) -> tuple[int, int]:
+        """(running, waiting) of ``e`` as SGLang's snapshot counts them with Flying's
+        ``count_session``: its DP requests, and a session's on its leader only."""
+        running, waiting = e.dp.load()
+        s = e.session
+        if s is not None and s.members[0] is e:
+            r, w = s.server.load()
+            running, waiting = running + r, waiting + w
+        return running, waiting
+
+    def _layout(self) -> None:
+        degrees = [e.session.bind.degree if e.session else 1 for e in self.engines]
+        self.on_layout(self.loop.now, degrees)
+
+    def idle(self) -> bool:
+        return all(e.state == "free" and not e.pending and not e.dp.has_work()
+                   and e.session is None for e in self.engines)
+
+    def check(self) -> None:
+        """Assert the invariants (module docstring)."""
+        for s in self.sessions:
+            m, start = s.bind.degree, s.ranks[0]
+            assert start % m == 0 and s.ranks == tuple(range(start, start + m)), s.ranks
+            assert all(e.session is s for e in s.members), "a member left its session"
+            assert s.used <= s.reserved, "a session uses more than it reserved"
+        live = {id(s) for s in self.sessions}
+        for e in self.engines:
+            assert e.session is None or id(e.session) in live, "an engine in a dead session"
+            assert e.reserved == sum(s.reserved for s in self.sessions if e in s.members)
+            assert e.dp_used >= 0 and e.reserved >= 0
+        _assert_no_wait_cycle(self.engines)
+
+
+def _assert_no_wait_cycle(engines: list[Engine]) -> None:
+    """No cycle of engines waiting in rendezvous for binds held up by each other."""
+    waits: dict[int, list[int]] = {}
+    for e in engines:
+        if e.state == "rdv":
+            bind = e.pending[0]
+            waits[e.rank] = [r for r in bind.ranks if engines[r].state == "rdv"
+                             and engines[r].pending[0] is not bind]
+    seen: dict[int, int] = {}
+
+    def visit(r: int) -> None:
+        seen[r] = 1
+        for nxt in waits.get(r, ()):
+            assert seen.get(nxt) != 1, f"engines wait on each other's binds: {r} -> {nxt}"
+            if nxt not in seen:
+                visit(nxt)
+        seen[r] = 2
+
+    for r in waits:
+        if r not in seen:
+            visit(r)
