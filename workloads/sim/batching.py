@@ -132,7 +132,7 @@ class Batcher:
             budget -= take
             busy += 1
         if batch:
-            self.prefilling = batch
+            self.prefilling = list(batch)
             self.last_kind = "prefill"
             return Step("prefill", batch, tokens, self.costs.prefill(self.degree, sum(tokens)) or 0.0)
         if self.running:

@@ -209,8 +209,9 @@ def build(name: str, gpu: Gpu, model: Model, a: Assumed = Assumed()) -> Profile:
         "gpus_per_engine": {"value": g, "source": "weights (bf16) within 70 % of the "
                             "engine's HBM; an engine of more than one GPU is SGLang's own "
                             "TP inside the engine, which Flying does not run today"},
-        "chunked_prefill_tokens": {"value": CHUNK, "source": "SGLang's default "
-                                   "--chunked-prefill-size on a GPU of this size"},
+        "chunked_prefill_tokens": {"value": CHUNK, "source": "SGLang 0.5.23's default "
+                                   "--chunked-prefill-size for GPUs of 60-160 GiB "
+                                   "(arg_groups/memory_hook.py: H100, H200)"},
         "max_running_requests": {"value": max_running, "source": "SGLang 0.5.23 "
                                  "resolve_max_num_reqs: KV / context x 512 within [2048, 4096]"},
         **{k: {"value": v, "assumption": True, "source": ASSUMED_WHY[k]}
@@ -228,6 +229,8 @@ def build(name: str, gpu: Gpu, model: Model, a: Assumed = Assumed()) -> Profile:
             "simulated, not measured: Flying's groups have never run on a GPU",
             "step costs depend on batch size and new tokens only, at a fixed context "
             f"({a.decode_context} tokens decoding, {a.prefill_sequence}-token prompts)",
+            "decode batches above SGLang's CUDA-graph limit (256 at TP < 4) cost what the "
+            "formula says, not an eager step's extra launch overhead",
             "every efficiency factor marked assumption above",
         ),
     )

@@ -143,7 +143,8 @@ class SimNode:
         self.log = log
         self.sessions: list[Session] = []
         self._rr = 0  # SGLang's round-robin counter
-        self.counters = {"sessions": 0, "moves": 0, "joins": 0, "bind_timeouts": 0}
+        self.counters = {"sessions": 0, "moves": 0, "joins": 0, "upgrades": 0,
+                         "bind_timeouts": 0}
 
     # -- entering the node ------------------------------------------------------------
 

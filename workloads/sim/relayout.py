@@ -98,6 +98,7 @@ def _take_upgrade(node: SimNode, s: Session, bind: Bind) -> bool:
     s.server.running.append(req)
     s.reasons.add(bind.reason)
     s.extra_ms += node.switch.move_ms_per_ktok * req.kv_len / 1000.0
+    node.counters["upgrades"] += 1
     return True
 
 

@@ -1,0 +1,174 @@
+"""The node simulator (``workloads.simulate``): what one request costs, what static
+layouts serve, that the adaptive node's decisions are the real policy's, KV admission,
+and that the paper preset on 8 engines simulates in seconds."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import replace
+
+import pytest
+
+from flying.node.config import FlyingConfig
+from scheduler.costs import Costs, Curve
+from scheduler.layout_choice import SwitchCosts
+from scheduler.policy import Node, PolicyConfig
+from scheduler.replay import main as replay_main
+from scheduler.replay import replay_log
+from workloads.presets import build_preset
+from workloads.sim.profile import Profile, load
+from workloads.sim.run import policy_settings, simulate
+from workloads.trace import TraceRequest
+
+pytestmark = pytest.mark.unit
+
+
+def run(trace, profile, engines, policy, **flying):
+    return simulate(trace, profile, engines, policy_settings(policy, FlyingConfig(**flying)),
+                    name=policy)
+
+
+def flat(dp_ms: float, tp_ms: float, kv: int = 200_000, context: int = 0) -> Profile:
+    """Two engines whose decode step costs the same at every batch size."""
+    costs = Costs({1: dp_ms, 2: tp_ms}, {
+        1: Curve.of([(1, dp_ms), (512, dp_ms)], [(16, 1.0), (8192, 1.0)]),
+        2: Curve.of([(1, tp_ms), (512, tp_ms)], [(16, 1.0), (8192, 1.0)]),
+    })
+    return Profile("flat", costs, SwitchCosts(2.0, 1.0), kv_tokens=kv, degrees=(2,),
+                   max_engines=2, context_len=context)
+
+
+# -- one request alone ------------------------------------------------------------------
+
+
+def test_a_request_alone_costs_its_prefill_then_one_decode_step_per_token():
+    profile = load("cpu-demo")
+    costs = profile.costs
+    rec = run([TraceRequest(0, 1.0, 100, 20)], profile, 2, "static-dp").records[0]
+    assert rec.success and rec.flying["mode"] == "dp"
+    assert rec.ttft_s * 1000 == pytest.approx(costs.prefill(1, 100))
+    assert rec.tpot_s * 1000 == pytest.approx(costs.decode(1, 1))
+    assert rec.e2e_s * 1000 == pytest.approx(costs.prefill(1, 100) + 19 * costs.decode(1, 1))
+    assert len(rec.itl_s) == 19 and rec.queue_time_s == 0.0
+
+
+def test_a_grouped_request_pays_the_bind_then_the_groups_steps():
+    profile = load("cpu-demo")
+    costs, bind = profile.costs, profile.switch.bind_ms
+    rec = run([TraceRequest(0, 1.0, 100, 20)], profile, 2, "static-tp").records[0]
+    assert rec.flying["mode"] == "tp" and rec.flying["ranks"] == [0, 1]
+    assert rec.ttft_s * 1000 == pytest.approx(bind + costs.prefill(2, 100))
+    assert rec.tpot_s * 1000 == pytest.approx(costs.decode(2, 1))
+
+
+def test_a_prompt_longer_than_the_chunk_is_prefilled_in_chunks():
+    profile = load("cpu-demo")
+    chunk = profile.chunk_tokens
+    rec = run([TraceRequest(0, 0.0, chunk + 904, 4)], profile, 2, "static-dp").records[0]
+    want = profile.costs.prefill(1, chunk) + profile.costs.prefill(1, 904)
+    assert rec.ttft_s * 1000 == pytest.approx(want)
+
+
+# -- static layouts -----------------------------------------------------------------------
+
+
+def _burst(n: int, prompt: int, output: int) -> list[TraceRequest]:
+    return [TraceRequest(i, 0.0, prompt, output) for i in range(n)]
+
+
+@pytest.mark.parametrize("tp_ms", [4.0, 25.0])
+def test_static_dp_and_static_tp_serve_in_the_order_the_profile_says(tp_ms):
+    profile = flat(10.0, tp_ms)
+    trace = _burst(64, 16, 200)
+    dp = run(trace, profile, 2, "static-dp").records
+    tp = run(trace, profile, 2, "static-tp").records
+    span = {name: max(r.end_s for r in recs) for name, recs in (("dp", dp), ("tp", tp))}
+    # 64 requests at once: two engines decode 32 each per DP step, one group all 64
+    dp_rate = 64 / profile.costs.decode(1, 32)
+    tp_rate = 64 / profile.costs.decode(2, 64)
+    assert (span["tp"] < span["dp"]) == (tp_rate > dp_rate)
+
+
+def test_on_the_h100_profile_a_saturating_burst_takes_what_the_profile_says():
+    profile = load("h100-llama3-8b")
+    c, chunk = profile.costs, profile.chunk_tokens
+    trace = _burst(512, 512, 128)  # 64 per engine in DP; 16 prompts per 8192-token chunk
+    spans = {p: max(r.end_s for r in run(trace, profile, 8, p).records)
+             for p in ("static-dp", "static-tp8")}
+    # prefill first (every prompt before the first decode step), then 127 decode steps
+    # (within 1 %: each server's first step starts with the first request alone)
+    dp = 64 * 512 // chunk * c.prefill(1, chunk) + 127 * c.decode(1, 64)
+    tp = profile.switch.bind_ms + 512 * 512 // chunk * c.prefill(8, chunk) + 127 * c.decode(8, 512)
+    assert spans["static-dp"] * 1000 == pytest.approx(dp, rel=0.01)
+    assert spans["static-tp8"] * 1000 == pytest.approx(tp, rel=0.01)
+    assert (spans["static-tp8"] < spans["static-dp"]) == (tp < dp)
+
+
+# -- the adaptive node calls the real policy -----------------------------------------------
+
+
+def test_the_adaptive_nodes_decisions_replay_to_the_same_decisions(tmp_path):
+    profile = load("h100-llama3-8b")
+    trace = build_preset("paper", 0)[:600]
+    res = run(trace, profile, 8, "adaptive", slo_ttft=400.0, slo_tpot=8.0)
+    path = tmp_path / "decisions.jsonl"
+    path.write_text("".join(line + "\n" for line in res.decisions))
+    head = json.loads(res.decisions[0])
+    config = PolicyConfig(**head["config"])
+    node = Node(**{**head["node"], "degrees": tuple(head["node"]["degrees"])})
+    replayed = replay_log(res.decisions, config, node)
+    assert replayed.counts["place"] == res.counters["decisions"] == len(trace)
+    assert replayed.diffs == []
+    assert replay_main([str(path)]) == 0
+    # each request ran where its logged decision put it
+    placed = [json.loads(line) for line in res.decisions[1:] if '"kind"' not in line[:10]]
+    by_rid = {f"sim-{r.index}": r for r in res.records}
+    kinds = set()
+    for ev in placed:
+        rec, decision = by_rid[ev["rid"]], ev["decision"]
+        kinds.add(decision["reason"].split(" (")[0])
+        assert rec.flying["degree"] == (decision["degree"] if decision["mode"] == "tp" else 1)
+    assert len(kinds) > 1, "the layout never changed: the test shows nothing"
+
+
+def test_the_paper_preset_on_8_h200_engines_simulates_in_seconds():
+    profile = load("h200-llama3-8b")
+    trace = build_preset("paper", 0)
+    started = time.perf_counter()
+    res = run(trace, profile, 8, "adaptive")
+    assert time.perf_counter() - started < 30.0
+    assert len(res.records) == 4000 and all(r.success for r in res.records)
+
+
+# -- KV admission ---------------------------------------------------------------------------
+
+
+def test_a_request_beyond_one_engines_kv_runs_in_a_group_or_is_rejected():
+    profile = replace(load("cpu-demo"), kv_tokens=2048)  # the integration tests' pools
+    node = profile.node(2, (2,), http=True)
+    one, two = node.capacity(1), node.capacity(2)
+    trace = [TraceRequest(0, 0.0, one + 100, 50), TraceRequest(1, 0.1, two + 10, 50),
+             TraceRequest(2, 0.2, 200, 50)]
+    for policy in ("static-dp", "adaptive"):
+        recs = run(trace, profile, 2, policy).records
+        assert recs[0].success and recs[0].flying["mode"] == "tp"
+        assert recs[0].flying["degree"] == 2
+        assert not recs[1].success and recs[1].http_status == 400
+        assert "exceeds the node's KV capacity" in recs[1].error
+        assert recs[2].success and recs[2].flying["mode"] == "dp"
+    off = run(trace, profile, 2, "static-dp", tp_degrees="none").records
+    assert not off[0].success and off[0].http_status == 400  # groups off: SGLang's limit
+
+
+def test_dp_admission_waits_for_kv_in_arrival_order():
+    profile = flat(10.0, 10.0, kv=1000)
+    # round robin: 0, 2 and 4 on engine 0; 0 holds 800 of its 1000 tokens
+    trace = [TraceRequest(0, 0.0, 400, 400), TraceRequest(1, 0.0, 400, 400),
+             TraceRequest(2, 0.0, 150, 100), TraceRequest(3, 0.0, 10, 10),
+             TraceRequest(4, 0.0, 10, 10)]
+    recs = run(trace, profile, 2, "static-dp").records
+    first_done = recs[0].end_s
+    assert recs[2].queue_time_s == pytest.approx(first_done)  # 250 > 200 free: it waits
+    assert recs[4].queue_time_s == pytest.approx(first_done)  # it fits, but nobody overtakes
+    assert recs[3].queue_time_s < first_done  # engine 1 had room

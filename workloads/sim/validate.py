@@ -1,0 +1,158 @@
+"""Simulated against measured: replay a ``workloads.compare`` run in the simulator.
+
+``python -m workloads.sim.validate RUN_DIR [--decision-log PATH]`` reads what
+``workloads.compare`` saved (``context.json``: the engine count and goodput SLOs; per
+system ``<system>/records.jsonl``), rebuilds the trace from the records (each carries
+its arrival, lengths, priority and phase), builds the measured profile from the Flying
+run's decision log (``flying/decisions.jsonl``, or ``--decision-log``: pass
+``--flying-args "--flying-decision-log RUN_DIR/flying/decisions.jsonl"`` to compare)
+or else from its saved ``flying/status.json``, simulates each system on that trace,
+and prints simulated and measured TTFT p50/p90, TPOT p50 and goodput with the
+simulation's relative error.
+
+Systems: ``static-dp`` (SGLang's DP, groups off) is simulated as ``static-dp`` without
+TP degrees; ``static-tp`` (SGLang's own ``--tp-size N``) as one Flying group of N
+(``static-tpN``: Flying's measured group costs stand for SGLang's TP); ``flying`` as
+the policy named in the decision log's head line (adaptive by default), with its
+settings. The error says how far the simulator's assumptions (docs/SIMULATOR.md) are
+from the machine the run measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+from flying.node.config import FlyingConfig
+from workloads.metrics import DEFAULT_SLOS, Summary, summarize
+from workloads.records import RequestRecord, load_records
+from workloads.sim.profile import Profile, from_decision_log, from_status
+from workloads.sim.run import policy_settings, simulate
+from workloads.trace import TraceRequest
+
+SYSTEMS = ("static-dp", "static-tp", "flying")
+#: (label, path in a summary)
+METRICS = (
+    ("TTFT p50 (ms)", ("overall", "ttft_ms", "p50")),
+    ("TTFT p90 (ms)", ("overall", "ttft_ms", "p90")),
+    ("TPOT p50 (ms)", ("overall", "tpot_ms", "p50")),
+    ("goodput (req/s)", ("overall", "goodput", "request_goodput")),
+)
+
+
+def trace_of(records: Sequence[RequestRecord]) -> list[TraceRequest]:
+    """The trace a run replayed, from its records."""
+    trace = [TraceRequest(r.index, r.arrival_s, r.prompt_len, r.output_len, r.priority,
+                          r.phase or "replay") for r in records]
+    return sorted(trace, key=lambda r: r.arrival_s)
+
+
+def measured_profile(run_dir: Path, decision_log: str | None, kv_heads: int) -> Profile:
+    log = Path(decision_log) if decision_log else run_dir / "flying" / "decisions.jsonl"
+    if log.is_file():
+        return from_decision_log(log)
+    status = run_dir / "flying" / "status.json"
+    if status.is_file():
+        return from_status(status, kv_heads=kv_heads)
+    raise SystemExit(f"error: no decision log ({log}) and no {status}: nothing measured to "
+                     "build the profile from")
+
+
+def settings(system: str, engines: int, head: dict | None) -> tuple[str, FlyingConfig]:
+    """(simulated policy name, Flying settings) standing for a measured system."""
+    if system == "static-dp":
+        return "static-dp", replace(FlyingConfig(), policy="static-dp", tp_degrees="none")
+    if system == "static-tp":
+        return f"static-tp{engines}", FlyingConfig()
+    config = dict((head or {}).get("config") or {})
+    cfg = FlyingConfig(
+        policy=config.get("policy", "adaptive"),
+        **{k: config[p] for k, p in (("priority_threshold", "priority_threshold"),
+                                     ("light_load", "light_load"), ("heavy_load", "heavy_load"),
+                                     ("tp_gain", "tp_gain"), ("slo_ttft", "slo_ttft_ms"),
+                                     ("slo_tpot", "slo_tpot_ms"), ("phase_s", "phase_s"))
+           if p in config},
+    )
+    return cfg.policy, cfg
+
+
+def _head(run_dir: Path, decision_log: str | None) -> dict | None:
+    log = Path(decision_log) if decision_log else run_dir / "flying" / "decisions.jsonl"
+    if not log.is_file():
+        return None
+    for line in log.read_text().splitlines():
+        if line.strip():
+            ev = json.loads(line)
+            if "kind" not in ev and "config" in ev and "node" in ev:
+                return ev
+    return None
+
+
+def _at(summary: Summary, path: tuple[str, ...]) -> float | None:
+    value = summary
+    for key in path:
+        if not isinstance(value, dict) or value.get(key) is None:
+            return None
+        value = value[key]
+    return float(value)
+
+
+def errors(simulated: Summary, measured: Summary) -> list[tuple[str, float | None, float | None, float | None]]:
+    """(metric, simulated, measured, relative error of the simulation)."""
+    out = []
+    for label, path in METRICS:
+        sim, meas = _at(simulated, path), _at(measured, path)
+        err = (sim - meas) / meas if sim is not None and meas else None
+        out.append((label, sim, meas, err))
+    return out
+
+
+def validate(run_dir: Path, decision_log: str | None = None, kv_heads: int = 0) -> str:
+    context_file = run_dir / "context.json"
+    context = json.loads(context_file.read_text()) if context_file.is_file() else {}
+    slos = context.get("goodput_slos_ms") or dict(DEFAULT_SLOS)
+    profile = measured_profile(run_dir, decision_log, kv_heads)
+    engines = int((context.get("machine") or {}).get("engines (N)") or profile.max_engines)
+    head = _head(run_dir, decision_log)
+    lines = [f"SIMULATED vs MEASURED: {run_dir} ({engines} engines; profile: {profile.source}; "
+             f"goodput SLOs {slos})", "",
+             "| system | simulated as | metric | simulated | measured | error |",
+             "|---|---|---|---|---|---|"]
+    for system in SYSTEMS:
+        records_file = run_dir / system / "records.jsonl"
+        if not records_file.is_file():
+            continue
+        records = load_records(records_file)
+        name, cfg = settings(system, engines, head)
+        result = simulate(trace_of(records), profile, engines, policy_settings(name, cfg),
+                          name=name, log=False)
+        for label, sim, meas, err in errors(summarize(result.records, slos=slos),
+                                            summarize(records, slos=slos)):
+            cells = [system, name, label, _fmt(sim), _fmt(meas),
+                     "-" if err is None else f"{100 * err:+.1f}%"]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m workloads.sim.validate",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("run_dir", help="a workloads.compare output directory")
+    parser.add_argument("--decision-log", help="the Flying run's --flying-decision-log "
+                        "(default RUN_DIR/flying/decisions.jsonl)")
+    parser.add_argument("--kv-heads", type=int, default=0,
+                        help="the model's KV heads, when the profile comes from status.json")
+    args = parser.parse_args(argv)
+    print(validate(Path(args.run_dir), args.decision_log, args.kv_heads))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
