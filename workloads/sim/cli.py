@@ -24,11 +24,12 @@ import json
 import shlex
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from flying.node.config import add_cli_args, from_cli_args
 from workloads.cli import add_goodput_args, add_trace_args, slos_from_args, trace_from_args
-from workloads.metrics import Summary, summarize
+from workloads.metrics import Summary, flatten, summarize
 from workloads.records import save_records
 from workloads.sim import profile as profiles
 from workloads.sim.run import SimResult, policy_settings, simulate
@@ -49,6 +50,8 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
                        help="build the profile from a saved /flying/status document")
     parser.add_argument("--kv-heads", type=int, default=0,
                         help="the model's KV heads (a status document does not say)")
+    parser.add_argument("--kv-tokens", type=int, help="KV tokens per engine (a decision log "
+                        "says min(context, KV pool): give the pool where it is larger)")
     parser.add_argument("--save-profile", metavar="JSON", help="write the profile used here")
     parser.add_argument("--engines", type=int, help="engines (default: the profile's node)")
     parser.add_argument("--policies", default=DEFAULT_POLICIES,
@@ -63,19 +66,12 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def load_profile(args: argparse.Namespace) -> profiles.Profile:
     if args.profile_from_log:
-        return profiles.from_decision_log(args.profile_from_log)
-    if args.profile_from_status:
-        return profiles.from_status(args.profile_from_status, kv_heads=args.kv_heads)
-    return profiles.load(args.profile or "cpu-demo")
-
-
-def _get(summary: Summary, *path: str) -> float | None:
-    value = summary
-    for key in path:
-        if not isinstance(value, dict) or value.get(key) is None:
-            return None
-        value = value[key]
-    return float(value)
+        profile = profiles.from_decision_log(args.profile_from_log)
+    elif args.profile_from_status:
+        profile = profiles.from_status(args.profile_from_status, kv_heads=args.kv_heads)
+    else:
+        profile = profiles.load(args.profile or "cpu-demo")
+    return replace(profile, kv_tokens=args.kv_tokens) if args.kv_tokens else profile
 
 
 def _f(value: float | None, digits: int = 1) -> str:
@@ -84,22 +80,22 @@ def _f(value: float | None, digits: int = 1) -> str:
 
 def row(stats: Summary) -> list[str]:
     """TTFT p50/p90, TPOT p50, ITL p99, goodput and SLO attainment of one group."""
-    good = stats.get("goodput") or {}
-    att = good.get("slo_attainment")
-    return [_f(_get(stats, "ttft_ms", "p50")), _f(_get(stats, "ttft_ms", "p90")),
-            _f(_get(stats, "tpot_ms", "p50"), 2), _f(_get(stats, "itl_ms", "p99"), 2),
-            _f(good.get("request_goodput"), 2), _f(None if att is None else 100 * att)]
+    f = flatten(stats)
+    att = f.get("goodput.slo_attainment")
+    return [_f(f.get("ttft_ms.p50")), _f(f.get("ttft_ms.p90")), _f(f.get("tpot_ms.p50"), 2),
+            _f(f.get("itl_ms.p99"), 2), _f(f.get("goodput.request_goodput"), 2),
+            _f(None if att is None else 100 * att)]
 
 
 def table(results: Sequence[SimResult], summaries: Sequence[Summary]) -> str:
     """The side-by-side markdown table (and one per phase where there are phases)."""
-    base = _get(summaries[0], "throughput", "output_throughput") if summaries else None
+    base = flatten(summaries[0]).get("throughput.output_throughput") if summaries else None
     head = ["policy", "TTFT p50", "TTFT p90", "TPOT p50", "ITL p99", "goodput req/s",
             "SLO att. %", "output tok/s", f"vs {results[0].policy}", "sessions", "moves",
             "done/n"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for res, s in zip(results, summaries, strict=True):
-        tok = _get(s, "throughput", "output_throughput")
+        tok = flatten(s).get("throughput.output_throughput")
         ratio = _f(tok / base, 3) if tok and base else "-"
         c, o = res.counters, s["overall"]
         lines.append("| " + " | ".join([res.policy, *row(o), _f(tok), ratio,

@@ -27,19 +27,19 @@ from dataclasses import replace
 from pathlib import Path
 
 from flying.node.config import FlyingConfig
-from workloads.metrics import DEFAULT_SLOS, Summary, summarize
+from workloads.metrics import DEFAULT_SLOS, Summary, flatten, summarize
 from workloads.records import RequestRecord, load_records
 from workloads.sim.profile import Profile, from_decision_log, from_status
 from workloads.sim.run import policy_settings, simulate
 from workloads.trace import TraceRequest
 
 SYSTEMS = ("static-dp", "static-tp", "flying")
-#: (label, path in a summary)
+#: (label, key in a flattened summary: ``workloads.metrics.flatten``)
 METRICS = (
-    ("TTFT p50 (ms)", ("overall", "ttft_ms", "p50")),
-    ("TTFT p90 (ms)", ("overall", "ttft_ms", "p90")),
-    ("TPOT p50 (ms)", ("overall", "tpot_ms", "p50")),
-    ("goodput (req/s)", ("overall", "goodput", "request_goodput")),
+    ("TTFT p50 (ms)", "overall.ttft_ms.p50"),
+    ("TTFT p90 (ms)", "overall.ttft_ms.p90"),
+    ("TPOT p50 (ms)", "overall.tpot_ms.p50"),
+    ("goodput (req/s)", "overall.goodput.request_goodput"),
 )
 
 
@@ -51,10 +51,15 @@ def trace_of(records: Sequence[RequestRecord]) -> list[TraceRequest]:
 
 
 def measured_profile(run_dir: Path, decision_log: str | None, kv_heads: int) -> Profile:
+    """The log's profile (its pool size from the status document where there is one:
+    the log's node holds ``min(context, KV pool)``), else the status document's."""
     log = Path(decision_log) if decision_log else run_dir / "flying" / "decisions.jsonl"
-    if log.is_file():
-        return from_decision_log(log)
     status = run_dir / "flying" / "status.json"
+    if log.is_file():
+        profile = from_decision_log(log)
+        if status.is_file():
+            profile = replace(profile, kv_tokens=from_status(status).kv_tokens)
+        return profile
     if status.is_file():
         return from_status(status, kv_heads=kv_heads)
     raise SystemExit(f"error: no decision log ({log}) and no {status}: nothing measured to "
@@ -91,20 +96,12 @@ def _head(run_dir: Path, decision_log: str | None) -> dict | None:
     return None
 
 
-def _at(summary: Summary, path: tuple[str, ...]) -> float | None:
-    value = summary
-    for key in path:
-        if not isinstance(value, dict) or value.get(key) is None:
-            return None
-        value = value[key]
-    return float(value)
-
-
 def errors(simulated: Summary, measured: Summary) -> list[tuple[str, float | None, float | None, float | None]]:
     """(metric, simulated, measured, relative error of the simulation)."""
     out = []
-    for label, path in METRICS:
-        sim, meas = _at(simulated, path), _at(measured, path)
+    sims, meass = flatten(simulated), flatten(measured)
+    for label, key in METRICS:
+        sim, meas = sims.get(key), meass.get(key)
         err = (sim - meas) / meas if sim is not None and meas else None
         out.append((label, sim, meas, err))
     return out

@@ -1,0 +1,135 @@
+"""The simulator's cost profiles (first principles and measured), its command and its
+check against measured runs (``workloads.sim.validate``), on synthetic inputs."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from flying.node.config import FlyingConfig
+from flying.node.costs_reader import merge
+from workloads.presets import build_preset
+from workloads.records import save_records
+from workloads.sim import gpu_profile
+from workloads.sim.cli import main as simulate_main
+from workloads.sim.profile import PROFILES_DIR, from_decision_log, from_status, load
+from workloads.sim.run import policy_settings, simulate
+from workloads.sim.validate import validate
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.mark.parametrize("name", sorted(gpu_profile.PROFILES))
+def test_the_shipped_gpu_profiles_are_what_the_generator_writes(name):
+    gpu, model = gpu_profile.PROFILES[name]
+    built = json.loads(json.dumps(gpu_profile.build(name, gpu, model).to_json()))
+    assert json.loads((PROFILES_DIR / f"{name}.json").read_text()) == built
+
+
+def test_first_principles_costs_follow_the_hardware():
+    h100, h200 = load("h100-llama3-8b"), load("h200-llama3-8b")
+    big = load("h200-llama3-70b")
+    for p in (h100, h200, big):
+        c = p.costs
+        steps = [c.decode(m, 1) for m in (1, *p.degrees)]
+        assert steps == sorted(steps, reverse=True)  # memory-bound: more GPUs, less each
+        for m in (1, *p.degrees):
+            assert c.decode(m, 256) > c.decode(m, 1) and c.prefill(m, 8192) > c.prefill(m, 512)
+        consts = p.constants
+        assert all("source" in v for v in consts.values())
+        assert {k for k, v in consts.items() if v.get("assumption")} >= {
+            "hbm_efficiency", "mfu_prefill", "nvlink_efficiency", "step_overhead_s"}
+    assert h200.costs.decode(1, 1) < h100.costs.decode(1, 1)  # 4.8 vs 3.35 TB/s
+    assert h200.kv_tokens > 1.9 * h100.kv_tokens  # 141 vs 80 GB, same 16 GB of weights
+    assert big.constants["gpus_per_engine"]["value"] == 2 and big.max_engines == 4
+
+
+def _small_kv():
+    """The demo profile with pools smaller than the context, as on the CPU."""
+    return replace(load("cpu-demo"), kv_tokens=6000)
+
+
+def test_a_decision_log_gives_back_the_profile_it_was_made_with(tmp_path):
+    profile = _small_kv()
+    res = simulate(build_preset("cpu-burst", 0), profile, 2,
+                   policy_settings("adaptive", FlyingConfig()))
+    path = tmp_path / "decisions.jsonl"
+    path.write_text("".join(line + "\n" for line in res.decisions))
+    got = from_decision_log(path)
+    assert got.costs == profile.costs and got.switch == profile.switch
+    assert (got.kv_tokens, got.degrees, got.kv_heads, got.max_engines) == (6000, (2,), 4, 2)
+    assert got.max_req_len == profile.max_req_len
+
+
+def test_a_status_document_gives_the_merged_curves_and_the_smallest_pool(tmp_path):
+    engines = [
+        {"rank": 0, "mode": "dp", "degrees": [2], "total_kv_slots": 16384, "binds": 2,
+         "switch_ms_sum": 6.0, "decode_ms": {"1": 7.0, "2": 9.0},
+         "curves": {"1": {"decode": [[1, 7.0], [8, 9.0]], "prefill": [[128, 30.0]]},
+                    "2": {"decode": [[1, 9.0]], "prefill": []}}},
+        {"rank": 1, "mode": "dp", "degrees": [2], "total_kv_slots": 16000, "binds": 2,
+         "switch_ms_sum": 2.0, "decode_ms": {"1": 8.0, "2": 11.0},
+         "curves": {"1": {"decode": [[1, 8.0]], "prefill": [[128, 34.0]]}}},
+    ]
+    path = tmp_path / "status.json"
+    path.write_text(json.dumps({"engines": engines}))
+    got = from_status(path, kv_heads=4)
+    assert got.costs == merge(engines)
+    assert got.costs.decode_ms == {1: 7.5, 2: 10.0}
+    assert got.kv_tokens == 16000 and got.degrees == (2,) and got.switch.bind_ms == 2.0
+
+
+def _compare_dir(tmp_path, profile):
+    """A ``workloads.compare`` directory whose 'measured' runs are simulations."""
+    trace = build_preset("cpu-burst", 0)
+    runs = {"static-dp": ("static-dp", FlyingConfig(tp_degrees="none")),
+            "static-tp": ("static-tp2", FlyingConfig()), "flying": ("adaptive", FlyingConfig())}
+    out = {}
+    for system, (name, cfg) in runs.items():
+        res = simulate(trace, profile, 2, policy_settings(name, cfg))
+        (tmp_path / system).mkdir()
+        save_records(res.records, tmp_path / system / "records.jsonl")
+        out[system] = res
+    (tmp_path / "flying" / "decisions.jsonl").write_text(
+        "".join(line + "\n" for line in out["flying"].decisions))
+    (tmp_path / "context.json").write_text(json.dumps(
+        {"machine": {"engines (N)": 2}, "goodput_slos_ms": {"ttft": 100.0, "tpot": 20.0}}))
+    return out
+
+
+def test_validate_reproduces_runs_the_simulator_made_and_reports_errors(tmp_path):
+    runs = _compare_dir(tmp_path, _small_kv())
+    report = validate(tmp_path)
+    rows = [line for line in report.splitlines() if line.startswith("| static") or
+            line.startswith("| flying")]
+    assert len(rows) == 12 and all(row.endswith("| +0.0% |") for row in rows), report
+    # the measured static DP run was twice as slow to its first token
+    records = runs["static-dp"].records
+    for rec in records:
+        rec.ttft_s *= 2
+    save_records(records, tmp_path / "static-dp" / "records.jsonl")
+    report = validate(tmp_path)
+    row = next(line for line in report.splitlines() if line.startswith("| static-dp")
+               and "TTFT p50" in line)
+    assert row.endswith("| -50.0% |")
+
+
+def test_the_command_prints_and_writes_a_simulated_comparison(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert simulate_main(["--preset", "cpu-burst", "--profile", "cpu-demo", "--engines", "2",
+                          "--policies", "static-dp,static-tp,adaptive", "--out", str(out),
+                          "--goodput", "ttft:100", "tpot:20"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("# SIMULATED") and "| static-tp |" in printed
+    assert "| adaptive | burst |" in printed  # per phase
+    for policy in ("static-dp", "static-tp", "adaptive"):
+        assert len((out / policy / "records.jsonl").read_text().splitlines()) == 160
+        assert json.loads((out / policy / "summary.json").read_text())["simulated"] is True
+    assert (out / "simulated.png").stat().st_size > 0
+    log = out / "adaptive" / "decisions.jsonl"
+    assert simulate_main(["--preset", "cpu-burst", "--profile-from-log", str(log),
+                          "--policies", "static-dp", "--rates", "5,40"]) == 0
+    sweep = capsys.readouterr().out
+    assert sweep.startswith("SIMULATED goodput") and "| 40 |" in sweep
