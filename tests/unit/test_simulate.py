@@ -172,3 +172,22 @@ def test_dp_admission_waits_for_kv_in_arrival_order():
     assert recs[2].queue_time_s == pytest.approx(first_done)  # 250 > 200 free: it waits
     assert recs[4].queue_time_s == pytest.approx(first_done)  # it fits, but nobody overtakes
     assert recs[3].queue_time_s < first_done  # engine 1 had room
+
+
+# -- a group and DP work on its members --------------------------------------------------
+
+
+def test_a_member_with_dp_work_runs_one_dp_step_between_two_group_steps():
+    profile = flat(10.0, 4.0)
+    trace = [TraceRequest(0, 0.0, 16, 400), TraceRequest(1, 0.5, 16, 50)]
+    res = simulate(trace, profile, 2, policy_settings("static-dp", FlyingConfig(move_to_dp="off")),
+                   explicit={0: 2})
+    group, dp = res.records
+    assert group.flying["mode"] == "tp" and dp.flying["mode"] == "dp"
+    c = profile.costs
+    alone, shared = c.decode(2, 1), c.decode(2, 1) + c.decode(1, 1)
+    gaps = [round(g * 1000, 6) for g in group.itl_s]
+    assert gaps[0] == pytest.approx(alone)
+    assert shared in [pytest.approx(g) for g in gaps]  # while the DP request runs
+    assert gaps[-1] == pytest.approx(alone)  # after it finished
+    assert all(g * 1000 == pytest.approx(shared) for g in dp.itl_s)
