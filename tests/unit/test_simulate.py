@@ -191,3 +191,17 @@ def test_a_member_with_dp_work_runs_one_dp_step_between_two_group_steps():
     assert shared in [pytest.approx(g) for g in gaps]  # while the DP request runs
     assert gaps[-1] == pytest.approx(alone)  # after it finished
     assert all(g * 1000 == pytest.approx(shared) for g in dp.itl_s)
+
+
+def test_the_kv_pool_experiment_changes_only_what_the_policy_is_told():
+    profile = load("h100-llama3-8b")  # a pool of ~396k tokens, a context of 8192
+    trace = build_preset("paper", 0)[:50]
+    heads = {}
+    for what_if in (False, True):
+        res = simulate(trace, profile, 8, policy_settings("adaptive", FlyingConfig()),
+                       what_if_pool=what_if)
+        heads[what_if] = json.loads(res.decisions[0])["node"]
+    assert heads[False]["engine_slots"] == profile.context_len  # make_policy's min(context, pool)
+    assert heads[True]["engine_slots"] == profile.kv_tokens
+    assert {k: v for k, v in heads[False].items() if k != "engine_slots"} == \
+        {k: v for k, v in heads[True].items() if k != "engine_slots"}

@@ -58,6 +58,9 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="comma list: static-dp, static-tp, static-tpM, adaptive, manual")
     parser.add_argument("--rates", help="comma list of req/s: re-time the trace at each "
                         "(--arrival, default poisson) and print goodput against rate")
+    parser.add_argument("--what-if-kv-pool", action="store_true",
+                        help="an experiment, not the node: the adaptive policy's Node is told "
+                        "the KV pool per engine instead of SGLang's min(context, pool)")
     parser.add_argument("--out", help="directory for records, summaries, logs, report, plot")
     parser.add_argument("--no-plot", action="store_true")
     add_cli_args(parser)
@@ -113,11 +116,13 @@ def table(results: Sequence[SimResult], summaries: Sequence[Summary]) -> str:
     return "\n".join(lines)
 
 
-def describe(profile: profiles.Profile, engines: int, slos: dict[str, float]) -> str:
+def describe(profile: profiles.Profile, engines: int, slos: dict[str, float],
+             what_if: bool = False) -> str:
     return (f"SIMULATED (workloads.simulate), not measured: profile `{profile.name}` "
             f"({profile.kind}: {profile.source}), {engines} engines, KV "
             f"{profile.kv_tokens} tokens/engine; goodput SLOs "
-            + ", ".join(f"{k} <= {v:g} ms" for k, v in slos.items()))
+            + ", ".join(f"{k} <= {v:g} ms" for k, v in slos.items())
+            + ("; WHAT-IF: the policy told the KV pool (--what-if-kv-pool)" if what_if else ""))
 
 
 def write(out: Path, results: Sequence[SimResult], summaries: Sequence[Summary],
@@ -156,14 +161,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     trace, source = trace_from_args(args)
     results, summaries = [], []
     for name in policies:
-        res = simulate(trace, profile, engines, policy_settings(name, base), name=name)
+        res = simulate(trace, profile, engines, policy_settings(name, base), name=name,
+                       what_if_pool=args.what_if_kv_pool)
         results.append(res)
         summaries.append(summarize(res.records, slos=slos))
         print(f"[simulate] {name}: {len(trace)} requests in {res.wall_s:.1f} s "
               f"(degrees {list(res.degrees) or 'none'})", file=sys.stderr)
     command = shlex.join(["python", "-m", "workloads.simulate",
                           *(sys.argv[1:] if argv is None else argv)])
-    report = "\n\n".join([f"# {describe(profile, engines, slos)}", f"`{command}`",
+    report = "\n\n".join([f"# {describe(profile, engines, slos, args.what_if_kv_pool)}",
+                          f"`{command}`",
                           f"Trace: {source}", table(results, summaries),
                           "Profile assumptions: " + "; ".join(profile.assumptions or ("none",))])
     print(report)
