@@ -133,3 +133,9 @@ def test_the_command_prints_and_writes_a_simulated_comparison(tmp_path, capsys):
                           "--policies", "static-dp", "--rates", "5,40"]) == 0
     sweep = capsys.readouterr().out
     assert sweep.startswith("SIMULATED goodput") and "| 40 |" in sweep
+
+
+def test_the_commands_help_prints(capsys):
+    with pytest.raises(SystemExit) as done:
+        simulate_main(["--help"])
+    assert done.value.code == 0 and "--flying-tp-gain" in capsys.readouterr().out

@@ -64,6 +64,9 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", help="directory for records, summaries, logs, report, plot")
     parser.add_argument("--no-plot", action="store_true")
     add_cli_args(parser)
+    for action in parser._actions:  # Flying's help texts hold a literal "%" (tp_gain)
+        if action.dest.startswith("flying_") and action.help:
+            action.help = action.help.replace("%", "%%")
     return parser.parse_args(argv)
 
 
