@@ -8,10 +8,15 @@ at once) and every member then runs ``abandon`` inside the still-active mode sco
 - every request of the session leaves SGLang's session queues; its request row (in the
   ``req_to_token_pool`` that DP and TP share) is freed; its KV sub-slots need nothing:
   the session's reserved DP slots are returned whole when the session releases;
-- on the leader, which alone talks to the client: a request that has sent the client
-  nothing yet (any non-streaming one, a stream before its first chunk) is handed back
-  to be re-run in DP after the scope is left (the client sees an ordinary answer); one
-  that has streamed tokens ends with an explicit error (HTTP 500 in its final chunk).
+- on the leader, which alone talks to the client: a request that has sent nothing yet
+  is handed back to be re-run in DP after the scope is left (the client sees an
+  ordinary answer); one that has sent output (a stream's chunks, or SGLang's periodic
+  partial outputs of a non-streamed request, every ``SGLANG_FORCE_STREAM_INTERVAL``
+  tokens) resumes in DP the way SGLang resumes a retracted request: its row and KV
+  are dropped, its tokens so far kept, and DP prefills prompt + output and goes on from
+  there (the client sees one uninterrupted answer); one whose bound exceeds what one
+  engine holds (long context, an upgrade) ends with an explicit error (HTTP 500 in its
+  final chunk).
 
 Non-leaders send nothing: their sockets to the client are null senders in the scope.
 """
@@ -47,16 +52,19 @@ def session_reqs(scheduler, batch=None) -> list:
 
 def abandon(
     scheduler, is_leader: bool, message: str, tokenized: dict[str, object], handed: set[str],
-    batch=None,
-) -> list:
+    batch=None, dp_limit: int = 0,
+) -> tuple[list, list]:
     """Take every request out of the failed session; returns (leader only) the tokenized
-    requests to re-run in DP. ``tokenized`` maps rid -> the request as it arrived (for
-    every request that joined the session), ``handed`` holds the rids already handed to
-    SGLang: one that joined but was never handed is re-run too."""
+    requests to re-run in DP and the requests (SGLang ``Req``) to resume there.
+    ``tokenized`` maps rid -> the request as it arrived (for every request that joined
+    the session), ``handed`` holds the rids already handed to SGLang: one that joined
+    but was never handed is re-run too. ``dp_limit``: the longest request (prompt +
+    max_new_tokens) one engine holds in DP (0: none resumes)."""
     from sglang.srt.managers.io_struct import AbortReq
     from sglang.srt.managers.schedule_batch import ScheduleBatch
 
     rerun = [req for rid, req in tokenized.items() if rid not in handed] if is_leader else []
+    resume = []
     for req in session_reqs(scheduler, batch):
         if req.kv.holds_kv:
             scheduler.req_to_token_pool.free(req)
@@ -64,6 +72,10 @@ def abandon(
             continue
         if req.send_token_offset == 0 and req.rid in tokenized:  # nothing sent yet
             rerun.append(tokenized[req.rid])
+            continue
+        if _fits(req, dp_limit):
+            _retract(req)
+            resume.append(req)
             continue
         reason = {"type": "abort", "message": message, "status_code": FAULT_STATUS,
                   "err_type": "FlyingGroupFault"}
@@ -73,6 +85,21 @@ def abandon(
     scheduler.last_batch = None
     scheduler.chunked_req = None
     logger.warning(
-        "flying: group session abandoned (%s); %d request(s) re-run in DP", message, len(rerun)
+        "flying: group session abandoned (%s); %d request(s) re-run and %d resumed in DP",
+        message, len(rerun), len(resume),
     )
-    return rerun
+    return rerun, resume
+
+
+def _fits(req, dp_limit: int) -> bool:
+    """Whether ``req`` (prompt + its bound) fits what one engine holds in DP."""
+    bound = req.sampling_params.max_new_tokens
+    return bound is not None and len(req.origin_input_ids) + bound <= dp_limit
+
+
+def _retract(req) -> None:
+    """Make ``req`` (its row already freed; its KV was the session's, returned whole
+    with the reservation) what SGLang makes a request it retracts: no KV, its output
+    kept, waiting to be prefilled again (``Req.reset_for_retract``)."""
+    req.kv.kv_allocated_len = 0
+    req.reset_for_retract()

@@ -16,6 +16,9 @@ class EngineCounters:
     faulted_sessions: int = 0
     client_aborts: int = 0
     rerun_in_dp: int = 0
+    #: requests of a failed session that had sent output and went on in DP from their
+    #: tokens so far (``containment.abandon``)
+    resumed_in_dp: int = 0
     preempted_dp_requests: int = 0
     tp_requests: int = 0
     tp_steps: int = 0

@@ -266,19 +266,21 @@ class Lifecycle:
     def _contain(self, scheduler, s: GroupSession, exc: BaseException) -> None:
         """End a failed session (in its TP state): free its rows, re-run or abort its
         requests (``containment.abandon``), and release it."""
-        rerun = []
+        rerun, resume = [], []
         try:
             if not s.scope.entered:
                 s.scope.enter()
-            rerun = containment.abandon(
+            rerun, resume = containment.abandon(
                 scheduler, s.is_leader, f"TP-{s.bind.degree} group failed: {exc}",
-                s.scope.tokenized, s.scope.handed, s.batch,
+                s.scope.tokenized, s.scope.handed, s.batch, self.dp_limit,
             )
         finally:
-            self._end(scheduler, s, rerun)
+            self._end(scheduler, s, rerun, resume)
 
-    def _end(self, scheduler, s: GroupSession, rerun: list) -> None:
-        """RELEASED: leave the TP state for good, return the reservations, count."""
+    def _end(self, scheduler, s: GroupSession, rerun: list, resume: list = ()) -> None:
+        """RELEASED: leave the TP state for good, return the reservations, count; the
+        leader hands a failed session's requests to DP (``rerun``: as they arrived;
+        ``resume``: SGLang ``Req``s with their output so far, ``containment.abandon``)."""
         try:
             s.scope.leave()
         finally:
@@ -290,6 +292,10 @@ class Lifecycle:
             self.counters.rerun_in_dp += 1
             scheduler.handle_generate_request(req)
             report.mark(scheduler, req.rid, 1, f"re-run in DP: the TP-{s.bind.degree} group failed")
+        for req in resume:  # as SGLang takes back a retracted request
+            self.counters.resumed_in_dp += 1
+            scheduler.waiting_queue.append(req)
+            report.moved(req, 1, f"resumed in DP: the TP-{s.bind.degree} group failed")
         self.publish_load(scheduler)
         c = self.counters
         c.releases += 1

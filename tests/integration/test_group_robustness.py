@@ -7,7 +7,8 @@ On the shared 2-engine server (``dp2_server``, with the test-only fault switch m
 - a client that disconnects from a group's stream ends the session within steps;
 - /health_generate answers while a session runs;
 - a fault injected at each stage of a session ends that session only: the request is
-  answered (re-run in DP when nothing was sent yet, an explicit error otherwise), the
+  answered (re-run in DP when nothing was sent yet, resumed there from its tokens so
+  far when it had, an explicit error when only a group holds it), the
   engines return to DP with their KV slots and request rows, no store key or /dev/shm
   segment is left, and the next group request works.
 """
@@ -22,7 +23,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.node import status, wait_idle
+from tests.conftest import MAX_TOTAL_TOKENS
+from tests.node import engine_counter, status, wait_idle
 from tests.reference import greedy_tokens, prompts
 
 pytestmark = pytest.mark.integration
@@ -160,20 +162,52 @@ def test_a_fault_in_a_session_stays_in_it(dp2_server, demo_model_dir, stage, ran
     assert wait_idle(dp2_server)["store_keys"] == before["store_keys"]
 
 
-def test_a_fault_after_tokens_were_streamed_ends_the_stream_with_an_error(dp2_server):
-    wait_idle(dp2_server)
-    _arm(dp2_server, "step", 1, after=20)
-    payload = {"input_ids": prompts(1, 9, seed=9)[0], "stream": True,
-               "sampling_params": {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}}
+def _stream_with_fault(server, ids: list[int], n: int) -> list[dict]:
+    """Stream a greedy TP-2 request of ``n`` tokens whose session faults (member 1)
+    after 20 group steps; returns its chunks."""
+    wait_idle(server)
+    _arm(server, "step", 1, after=20)
+    payload = {"input_ids": ids, "stream": True,
+               "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}
     chunks = []
-    with requests.post(dp2_server.url + "/generate", json=payload, headers=TP2, stream=True,
-                       timeout=120) as resp:
+    with requests.post(server.url + "/generate", json=payload, headers=TP2, stream=True,
+                       timeout=300) as resp:
+        assert resp.status_code == 200, resp.text
         for line in resp.iter_lines():
             if line.startswith(b"data: ") and line != b"data: [DONE]":
                 chunks.append(json.loads(line[6:]))
-    assert chunks, "no chunk was streamed"
-    last = chunks[-1]
+    assert len(chunks) > 1, chunks
+    return chunks
+
+
+def test_a_fault_after_tokens_were_streamed_resumes_the_stream_in_dp(dp2_server, demo_model_dir):
+    """The stream goes on in DP from its tokens so far (SGLang's retraction: prompt and
+    output prefilled again): the client sees every token once, transformers' greedy
+    tokens, and one normal end."""
+    before = wait_idle(dp2_server)
+    ids = prompts(1, 9, seed=9)[0]
+    chunks = _stream_with_fault(dp2_server, ids, 200)
+    # SGLang's chunks are cumulative: each extends the one before (nothing sent twice,
+    # nothing dropped across the fault), the last one is the whole answer
+    for a, b in zip(chunks, chunks[1:], strict=False):
+        assert b["output_ids"][: len(a["output_ids"])] == a["output_ids"]
+    assert chunks[-1]["output_ids"] == greedy_tokens(demo_model_dir, ids, 200)
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length", chunks[-1]
+    after = wait_idle(dp2_server)
+    assert after["totals"]["faulted_sessions"] > before["totals"]["faulted_sessions"]
+    assert after["totals"]["resumed_in_dp"] == before["totals"]["resumed_in_dp"] + 1
+    for key in ("free_kv_slots", "free_req_rows"):
+        assert engine_counter(after, key) == engine_counter(before, key)
+
+
+def test_a_fault_after_tokens_were_streamed_beyond_one_engine_ends_with_an_error(dp2_server):
+    """A request only a group holds (prompt + bound beyond one engine's KV) cannot go on
+    in DP: its stream ends with an explicit error, and the node serves on."""
+    before = wait_idle(dp2_server)
+    ids = prompts(1, MAX_TOTAL_TOKENS, seed=10)[0]  # with its bound: more than one engine
+    last = _stream_with_fault(dp2_server, ids, 100)[-1]
     finish = (last.get("meta_info") or {}).get("finish_reason") or last.get("error") or {}
     assert "group failed" in json.dumps(finish), last
-    wait_idle(dp2_server)
+    after = wait_idle(dp2_server)
+    assert after["totals"]["resumed_in_dp"] == before["totals"]["resumed_in_dp"]
     assert dp2_server.generate_ids([5, 6, 7], 3)["meta_info"]["completion_tokens"] == 3
