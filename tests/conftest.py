@@ -11,6 +11,11 @@ from workloads.server import Server
 
 #: KV slots per engine in the shared server; small so "too long" prompts are cheap.
 MAX_TOTAL_TOKENS = 2048
+#: A server environment whose steps (DP and TP-2) each take 4 ms longer (the test-only
+#: ``flying.session.faults.step_delays``): tests that need a request still running when
+#: the next one arrives (moves, joins) must not depend on how fast the machine decodes
+#: (the demo model: ~200-1000 tokens/s).
+SLOWER = {"FLYING_TEST_STEP_DELAY_MS": "1:4,2:4"}
 
 
 @pytest.fixture(scope="session")

@@ -20,7 +20,7 @@ import json
 import pytest
 
 from scheduler import replay
-from tests.conftest import demo_server
+from tests.conftest import SLOWER, demo_server
 from tests.node import (
     delta,
     dp_then_tp,
@@ -45,7 +45,7 @@ def upgrade_server(demo_model_dir, tmp_path_factory):
     servers = demo_server(
         demo_model_dir, log_dir / "server.log", "--max-total-tokens", str(SLOTS),
         "--flying-move-to-dp", "all", "--flying-decision-log", str(log_dir / "decisions.jsonl"),
-        env={"FLYING_TEST_FAULTS": "1"},
+        env={"FLYING_TEST_FAULTS": "1", **SLOWER},
     )
     server = next(servers)
     server.decisions = log_dir / "decisions.jsonl"
