@@ -202,7 +202,7 @@ _HELP = {
     "move_to_dp": "Groups whose running requests move between layouts with their KV: policy, all, off.",
     "light_load": "Adaptive policy: requests per engine below which engines group into TP.",
     "heavy_load": "Adaptive policy: requests per engine above which engines return to DP.",
-    "tp_gain": "How much faster a group's measured step must be than one engine's to pick it for latency (0.10 = 10 %).",
+    "tp_gain": "How much faster a group's measured step must be than one engine's to pick it for latency (0.10: 10 per cent).",
     "slo_ttft": "Node TTFT SLO in ms for the adaptive policy's goodput (0: 4x the measured quiet TTFT).",
     "slo_tpot": "Node TPOT SLO in ms for the adaptive policy's goodput (0: 1.5x the measured quiet TPOT).",
     "phase_s": "Seconds a traffic phase is expected to last: a layout change must gain more over it than it costs.",

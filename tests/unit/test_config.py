@@ -89,3 +89,15 @@ def test_groups_are_off_on_cuda_unless_experimental():
     args(parser)
     assert parser.parse_args(["--flying-experimental-cuda-groups"]).flying_experimental_cuda_groups
     assert not parser.parse_args([]).flying_experimental_cuda_groups
+
+
+def test_help_renders_every_flag():
+    """``--help`` formats each help text with argparse's %-formatting: a bare % in a
+    text crashed ``python -m flying.launch --help``."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    config.add_cli_args(parser)
+    text = parser.format_help()
+    for flag, _default, _help in config.flag_reference():
+        assert flag in text, flag
