@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from workloads.server import Server
+from workloads.measure.server import Server
 
 #: KV slots per engine in the shared server; small so "too long" prompts are cheap.
 MAX_TOTAL_TOKENS = 2048

@@ -1,21 +1,40 @@
 """Load generation and measurement for Flying.
 
 The same request trace is replayed against static DP, static TP and Flying so that their
-TTFT / TPOT / queue time / throughput can be compared side by side (design brief, section 5):
+TTFT / TPOT / queue time / throughput can be compared side by side (design brief, section 5).
+The code is grouped by job into subpackages whose imports point one way, down
+the picture: an arrow means "may import", and a subpackage may import whatever its arrows
+reach (``tests/unit/test_workloads_layers.py`` checks it)::
 
-- ``trace``: seeded synthetic traces (bursty, mixed priority, long context) and JSONL I/O.
-- ``arrivals``: standard arrival processes (Poisson, gamma burstiness, constant, ramp).
-- ``replay``: production traces (Azure 2023 CSV, JSONL) scaled to the machine, looked up in
-  ``--traces-dir`` / ``$FLYING_TRACES_DIR``.
-- ``presets``: named, documented trace configurations (``paper``, ``cpu-small``, ...).
-- ``cli``: the trace, arrival and SLO options every tool shares.
-- ``server``: the one way tests and benchmarks start a ``flying.launch`` server.
-- ``export``: traces as SGLang's Mooncake dataset (``sglang.benchmark.serving``), JSONL, CSV.
-- ``sidebyside``: ``workloads.client`` and ``sglang.benchmark.serving`` on one trace/server.
-- ``vs_groups_off``: SGLang's serving benchmark, Flying's defaults vs the same server with
-  groups off (``--flying-tp-degrees none``), alternating rounds.
-- ``client``: open-loop streaming benchmark client (``python -m workloads.client``).
-- ``metrics`` / ``timeseries``: summaries (with SGLang's goodput), tables, ratios, plot series.
-- ``compare``: static DP vs static TP vs Flying on one trace (``python -m workloads.compare``);
-  ``report`` / ``plots`` render its markdown report and PNG plots.
+    comparisons     sim      microbench
+         |        /  |           |
+         v       v   |           |
+         reports     |           |
+            |        |           |
+            v        v           |
+            measure  <-----------+
+               |
+               v
+              load
+
+- ``load``: trace generation: seeded synthetic traces, arrival processes, replays of
+  recorded traces, presets, goodput SLOs, the shared trace options, export for other
+  tools. Imports no other subpackage.
+- ``measure``: the client and its records: the server launcher, the streaming client,
+  per-request records and their summaries. Imports ``load``.
+- ``reports``: reports and plots of measured runs, the switching targets, the Grafana
+  dashboard. Imports ``measure`` and ``load``.
+- ``comparisons``: side-by-side runs (static DP vs TP vs Flying, our client vs SGLang's
+  benchmark, Flying vs groups off). Imports ``reports``, ``measure`` and ``load``.
+- ``sim``: the node simulator. Imports ``reports``, ``measure`` and ``load`` (never
+  ``comparisons``: it reads their run directories as files).
+- ``microbench``: micro-benchmarks of single mechanisms. Imports ``measure`` (its server
+  launcher; ``load`` too, were it needed).
+
+Each command keeps its name: ``python -m workloads.X`` runs a thin alias module in this
+package (``workloads/X.py``: it imports ``main`` from the subpackage and nothing else) for
+``client``, ``compare``, ``sidebyside``, ``vs_groups_off``, ``export``, ``presets``,
+``targets``, ``dashboard``, ``simulate`` and the ``bench_*`` micro-benchmarks. Library code
+imports the subpackages (``workloads.load.trace``, ``workloads.measure.metrics``, ...), never
+an alias.
 """

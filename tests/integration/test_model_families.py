@@ -36,7 +36,7 @@ import requests
 from tests.conftest import serve
 from tests.models import FAMILIES, ensure_model
 from tests.reference import greedy_tokens, prompts
-from workloads.server import Server
+from workloads.measure.server import Server
 
 pytestmark = pytest.mark.integration
 

@@ -38,7 +38,7 @@ from tests.node import (
     wait_idle,
 )
 from tests.reference import greedy_tokens, prompts
-from workloads.server import Server
+from workloads.measure.server import Server
 
 pytestmark = pytest.mark.integration
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from workloads.server import Server
+from workloads.measure.server import Server
 
 pytestmark = pytest.mark.integration
 

@@ -7,9 +7,9 @@ import dataclasses
 
 import pytest
 
-from workloads.client import run_trace
-from workloads.metrics import render_markdown, summarize
-from workloads.presets import build_preset
+from workloads.load.presets import build_preset
+from workloads.measure.client import run_trace
+from workloads.measure.metrics import render_markdown, summarize
 
 pytestmark = pytest.mark.integration
 

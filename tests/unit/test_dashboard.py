@@ -13,7 +13,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from flying.node import metrics
-from workloads import dashboard
+from workloads.reports import dashboard
 
 pytestmark = pytest.mark.unit
 

@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 
 from flying.substrate import shm_allreduce as sar
 from flying.substrate import shm_segment as seg
-from workloads.server import free_port
+from workloads.measure.server import free_port
 
 pytestmark = pytest.mark.unit
 

@@ -16,10 +16,10 @@ from scheduler.layout_choice import SwitchCosts
 from scheduler.policy import Node, PolicyConfig
 from scheduler.replay import main as replay_main
 from scheduler.replay import replay_log
-from workloads.presets import build_preset
+from workloads.load.presets import build_preset
+from workloads.load.trace import TraceRequest
 from workloads.sim.profile import Profile, load
 from workloads.sim.run import policy_settings, simulate
-from workloads.trace import TraceRequest
 
 pytestmark = pytest.mark.unit
 

@@ -21,10 +21,10 @@ from scheduler.costs import Costs, Curve
 from scheduler.layout_choice import SwitchCosts
 from scheduler.policy import Node, PolicyConfig
 from scheduler.replay import replay_log
+from workloads.load.trace import TraceRequest
 from workloads.sim.node import SimNode
 from workloads.sim.profile import Profile
 from workloads.sim.run import simulate
-from workloads.trace import TraceRequest
 
 pytestmark = pytest.mark.unit
 

@@ -10,8 +10,8 @@ import pytest
 
 from flying.node.config import FlyingConfig
 from flying.node.costs_reader import merge
-from workloads.presets import build_preset
-from workloads.records import save_records
+from workloads.load.presets import build_preset
+from workloads.measure.records import save_records
 from workloads.sim import gpu_profile
 from workloads.sim.cli import main as simulate_main
 from workloads.sim.profile import PROFILES_DIR, from_decision_log, from_status, load

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from tests.models import CHECKPOINTS, ensure_model
-from workloads.server import free_port
+from workloads.measure.server import free_port
 
 pytestmark = pytest.mark.unit
 

@@ -8,9 +8,9 @@ import json
 import pytest
 from aiohttp import web
 
-from workloads import stream
-from workloads.client import build_payload, run_trace
-from workloads.trace import TraceRequest, token_ids_for
+from workloads.load.trace import TraceRequest, token_ids_for
+from workloads.measure import stream
+from workloads.measure.client import build_payload, run_trace
 
 pytestmark = pytest.mark.unit
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from workloads.export import (
+from workloads.load.export import (
     export,
     load_mooncake,
     load_tokenizer,
@@ -14,8 +14,8 @@ from workloads.export import (
     sglang_block_tokens,
     write_jsonl,
 )
-from workloads.presets import build_preset
-from workloads.replay import replay_trace
+from workloads.load.presets import build_preset
+from workloads.load.replay import replay_trace
 
 pytestmark = pytest.mark.unit
 

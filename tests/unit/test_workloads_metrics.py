@@ -6,9 +6,15 @@ import dataclasses
 
 import pytest
 
-from workloads.metrics import compare, percentile, render_comparison, render_markdown, summarize
-from workloads.records import RequestRecord, load_records, save_records
-from workloads.timeseries import concurrency_series, mode_series, ttft_p90_series
+from workloads.measure.metrics import (
+    compare,
+    percentile,
+    render_comparison,
+    render_markdown,
+    summarize,
+)
+from workloads.measure.records import RequestRecord, load_records, save_records
+from workloads.reports.timeseries import concurrency_series, mode_series, ttft_p90_series
 
 pytestmark = pytest.mark.unit
 

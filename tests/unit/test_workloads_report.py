@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from workloads.compare import parse_args, run_args
-from workloads.metrics import summarize
-from workloads.plots import PLOTS, mode_spans, plot_runs
-from workloads.records import RequestRecord
-from workloads.report import (
+from workloads.comparisons.compare import parse_args, run_args
+from workloads.load.trace import TraceRequest
+from workloads.measure.metrics import summarize
+from workloads.measure.records import RequestRecord
+from workloads.reports.plots import PLOTS, mode_spans, plot_runs
+from workloads.reports.report import (
     RunResult,
     describe_trace,
     load_run,
@@ -16,8 +17,7 @@ from workloads.report import (
     save_run,
     write_report,
 )
-from workloads.timeseries import mode_series
-from workloads.trace import TraceRequest
+from workloads.reports.timeseries import mode_series
 
 pytestmark = pytest.mark.unit
 
@@ -167,7 +167,7 @@ def test_parse_args_orders_and_checks_runs():
 def test_merge_context_appends_commands_and_refuses_other_traces(tmp_path):
     import json
 
-    from workloads.compare import merge_context
+    from workloads.comparisons.compare import merge_context
 
     path = tmp_path / "context.json"
     first = {"commands": ["cmd 1"], "started": "t1", "machine": {"model": "/m"},
@@ -183,7 +183,7 @@ def test_merge_context_appends_commands_and_refuses_other_traces(tmp_path):
 
 
 def test_goodput_counts_requests_within_both_slos_per_second():
-    from workloads.targets import goodput, quiet_slos
+    from workloads.reports.targets import goodput, quiet_slos
 
     records = _records(1.0)  # TTFT 100 ms, TPOT 20 ms, 10 requests over ~9.2 s
     span = records[-1].end_s - records[0].send_s

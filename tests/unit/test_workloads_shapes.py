@@ -5,11 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from workloads.arrivals import ArrivalProcess, arrival_times, ramp_rates, retime
-from workloads.metrics import parse_slos, render_markdown, summarize
-from workloads.presets import CPU_SHAPES, build_preset
-from workloads.records import RequestRecord
-from workloads.replay import AZURE_CONV, SAMPLE, TRACES_ENV, trace_path, traces_dir
+from workloads.load.arrivals import ArrivalProcess, arrival_times, ramp_rates, retime
+from workloads.load.presets import CPU_SHAPES, build_preset
+from workloads.load.replay import AZURE_CONV, SAMPLE, TRACES_ENV, trace_path, traces_dir
+from workloads.load.slos import parse_slos
+from workloads.measure.metrics import render_markdown, summarize
+from workloads.measure.records import RequestRecord
 
 pytestmark = pytest.mark.unit
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from workloads.presets import CPU_SMALL, PAPER, PRESETS, build_preset
-from workloads.replay import SAMPLE, ReplayOptions, replay_trace, trace_path
-from workloads.trace import (
+from workloads.load.presets import CPU_SMALL, PAPER, PRESETS, build_preset
+from workloads.load.replay import SAMPLE, ReplayOptions, replay_trace, trace_path
+from workloads.load.trace import (
     BurstyConfig,
     attach_input_ids,
     generate_bursty,

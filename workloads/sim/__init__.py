@@ -14,7 +14,7 @@ node does with each decision:
   steps, moves to DP and joins, aborts, upgrades;
 - ``control``: the controller model: the HTTP process's and the DP controller's calls
   into the real policy, the arrival estimate, the decision log;
-- ``run``: the event loop and per-request records (``workloads.records``);
+- ``run``: the event loop and per-request records (``workloads.measure.records``);
 - ``cli``: ``python -m workloads.simulate``; ``plots``: the figures (labelled simulated);
 - ``validate``: simulated vs measured for a ``workloads.compare`` run directory.
 

@@ -8,7 +8,7 @@
     python -m workloads.simulate --preset paper --profile h100-llama3-8b \\
         --arrival poisson --rates 10,20,40,80        # goodput against rate
 
-Every trace option of the other tools works (``workloads.cli``), and every Flying flag
+Every trace option of the other tools works (``workloads.load.cli``), and every Flying flag
 (``--flying-move-to-dp``, ``--flying-slo-ttft``, ...: ``flying.node.config``) applies
 to every policy. Prints a side-by-side table per policy, and per phase where the trace
 has phases; with ``--out``, writes per policy the records (``records.jsonl``, the
@@ -28,9 +28,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from flying.node.config import add_cli_args, from_cli_args
-from workloads.cli import add_goodput_args, add_trace_args, slos_from_args, trace_from_args
-from workloads.metrics import Summary, flatten, summarize
-from workloads.records import save_records
+from workloads.load.cli import add_goodput_args, add_trace_args, slos_from_args, trace_from_args
+from workloads.measure.metrics import Summary, flatten, summarize
+from workloads.measure.records import save_records
 from workloads.sim import profile as profiles
 from workloads.sim.run import SimResult, policy_settings, simulate
 

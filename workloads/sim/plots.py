@@ -2,7 +2,7 @@
 
 One PNG, every panel per policy on the trace's clock, titled SIMULATED with the profile
 (a simulated figure must never pass for a measured one). The series are
-``workloads.timeseries``' (the same the measured reports plot); the layout panel is
+``workloads.reports.timeseries``' (the same the measured reports plot); the layout panel is
 the simulator's own: how many engines were in DP and in groups of each degree.
 matplotlib is imported lazily (Agg backend).
 """
@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from workloads.plots import latency_bucket_s
+from workloads.reports.plots import latency_bucket_s
+from workloads.reports.timeseries import concurrency_series, ttft_p90_series
 from workloads.sim.run import SimResult
-from workloads.timeseries import concurrency_series, ttft_p90_series
 
 
 def layout_steps(layout: Sequence[tuple[float, list[int]]], end: float

@@ -2,9 +2,9 @@
 
 ``simulate`` sends each trace request at its arrival time (an open-loop client that is
 never late), runs the event loop to idle and returns the same per-request records the
-real client writes (``workloads.records.RequestRecord``: TTFT, ITL, TPOT, E2E, the
+real client writes (``workloads.measure.records.RequestRecord``: TTFT, ITL, TPOT, E2E, the
 server's queue time, ``flying`` with where the request started), so
-``workloads.metrics`` summarises a simulated run exactly as a measured one. It also
+``workloads.measure.metrics`` summarises a simulated run exactly as a measured one. It also
 returns the decision log lines (the real log's format), the node's layout over time
 and the switch counters.
 
@@ -24,12 +24,12 @@ from dataclasses import dataclass, field, replace
 from flying.node.config import FlyingConfig
 from flying.node.placement import DEFAULT_MAX_NEW_TOKENS
 from scheduler.policy import PRIORITY_NAMES
-from workloads.records import RequestRecord
+from workloads.load.trace import TraceRequest
+from workloads.measure.records import RequestRecord
 from workloads.sim.batching import SimRequest
 from workloads.sim.control import Controller
 from workloads.sim.node import Loop, SimNode
 from workloads.sim.profile import Profile
-from workloads.trace import TraceRequest
 
 _STATIC_TP = re.compile(r"static-tp(\d+)")
 

@@ -1,7 +1,7 @@
 """Goodput against arrival rate: the same trace re-timed at each rate, every policy.
 
 ``python -m workloads.simulate --rates 10,20,40 [--arrival poisson]`` re-times the
-trace with ``workloads.arrivals`` (lengths kept, arrivals from ``--arrival``, Poisson
+trace with ``workloads.load.arrivals`` (lengths kept, arrivals from ``--arrival``, Poisson
 by default) at each rate, simulates every policy and prints one row per rate: each
 policy's goodput (req/s within the SLOs) and, in brackets, its SLO attainment. Past
 saturation a policy's goodput stops growing with the rate: where that happens is the
@@ -14,9 +14,9 @@ import argparse
 from collections.abc import Sequence
 
 from flying.node.config import FlyingConfig
-from workloads.arrivals import ArrivalProcess, retime
-from workloads.cli import trace_from_args
-from workloads.metrics import goodput_stats, throughput_stats
+from workloads.load.arrivals import ArrivalProcess, retime
+from workloads.load.cli import trace_from_args
+from workloads.measure.metrics import goodput_stats, throughput_stats
 from workloads.sim.profile import Profile
 from workloads.sim.run import policy_settings, simulate
 

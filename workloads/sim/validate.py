@@ -27,14 +27,15 @@ from dataclasses import replace
 from pathlib import Path
 
 from flying.node.config import FlyingConfig
-from workloads.metrics import DEFAULT_SLOS, Summary, flatten, summarize
-from workloads.records import RequestRecord, load_records
+from workloads.load.slos import DEFAULT_SLOS
+from workloads.load.trace import TraceRequest
+from workloads.measure.metrics import Summary, flatten, summarize
+from workloads.measure.records import RequestRecord, load_records
 from workloads.sim.profile import Profile, from_decision_log, from_status
 from workloads.sim.run import policy_settings, simulate
-from workloads.trace import TraceRequest
 
 SYSTEMS = ("static-dp", "static-tp", "flying")
-#: (label, key in a flattened summary: ``workloads.metrics.flatten``)
+#: (label, key in a flattened summary: ``workloads.measure.metrics.flatten``)
 METRICS = (
     ("TTFT p50 (ms)", "overall.ttft_ms.p50"),
     ("TTFT p90 (ms)", "overall.ttft_ms.p90"),

@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from workloads.server import Server, start_server
+from workloads.measure.server import Server, start_server
 
 RUNS = {
     "one": (["--tp-size", "1"], {}),

@@ -16,16 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from workloads.metrics import (
-    DEFAULT_SLOS,
-    Summary,
-    render_comparison,
-    render_markdown,
-    summarize,
-)
-from workloads.plots import PLOTS, plot_runs
-from workloads.records import RequestRecord, load_records, save_records
-from workloads.trace import TraceRequest
+from workloads.load.slos import DEFAULT_SLOS
+from workloads.load.trace import TraceRequest
+from workloads.measure.metrics import Summary, render_comparison, render_markdown, summarize
+from workloads.measure.records import RequestRecord, load_records, save_records
+from workloads.reports.plots import PLOTS, plot_runs
 
 #: Run names, in the order they are launched and shown.
 RUN_NAMES = ("static-dp", "static-tp", "flying")

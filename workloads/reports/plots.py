@@ -13,8 +13,8 @@ import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from workloads.records import RequestRecord
-from workloads.timeseries import (
+from workloads.measure.records import RequestRecord
+from workloads.reports.timeseries import (
     Point,
     concurrency_series,
     mode_series,

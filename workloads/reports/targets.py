@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from workloads.records import RequestRecord, load_records
+from workloads.measure.records import RequestRecord, load_records
 
 RUNS = ("static-dp", "static-tp", "flying")
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from workloads.trace import (
+from workloads.load.trace import (
     DEFAULT_TOKEN_ID_RANGE,
     PRIORITIES,
     TraceRequest,
@@ -35,7 +35,7 @@ TRACES_ENV = "FLYING_TRACES_DIR"
 #: Where trace files are looked up when neither the flag nor the variable is set.
 DEFAULT_TRACES_DIR = Path.home() / ".cache" / "flying" / "traces"
 #: Trace files shipped with the package (small, synthetic; see its README.md).
-BUNDLED_TRACES_DIR = Path(__file__).parent / "traces"
+BUNDLED_TRACES_DIR = Path(__file__).parents[1] / "traces"
 
 AZURE_CONV = "azure_conv_2023.csv"
 AZURE_CODE = "azure_code_2023.csv"

@@ -22,10 +22,15 @@ import random
 import statistics
 import time
 import urllib.request
+from datetime import datetime
 from pathlib import Path
 
-from workloads.compare import log
-from workloads.server import Server
+from workloads.measure.server import Server
+
+
+def log(message: str) -> None:
+    """One timestamped progress line, flushed so a long run shows where it is."""
+    print(f"[bench_switch {datetime.now():%H:%M:%S}] {message}", flush=True)
 
 
 def _post(url: str, payload: dict, headers: dict | None = None) -> tuple[dict, float]:

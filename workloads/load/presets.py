@@ -11,7 +11,7 @@ roughly 20 (prompts) and 10 (outputs), rates by roughly 7, and phases are 15 s, 
 arrive within ~50 s and a run including the drain takes 2-3 minutes.
 
 The standard load shapes (``cpu-poisson``, ``cpu-gamma``, ``cpu-constant``, ``cpu-ramp``;
-definitions in ``workloads.arrivals``) keep cpu-small's lengths and its mean rate of ~1.5
+definitions in ``workloads.load.arrivals``) keep cpu-small's lengths and its mean rate of ~1.5
 req/s, so they differ from it and from each other only in how requests arrive. The
 ``*-three-peak`` presets are the paper's low/burst shape cut to exactly three bursts.
 
@@ -25,9 +25,9 @@ import argparse
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from workloads.arrivals import ArrivalProcess, retime
-from workloads.replay import AZURE_CODE, AZURE_CONV, SAMPLE, ReplayOptions, replay_trace
-from workloads.trace import BurstyConfig, TraceRequest, generate_bursty, save_trace
+from workloads.load.arrivals import ArrivalProcess, retime
+from workloads.load.replay import AZURE_CODE, AZURE_CONV, SAMPLE, ReplayOptions, replay_trace
+from workloads.load.trace import BurstyConfig, TraceRequest, generate_bursty, save_trace
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from workloads.server import free_port
+from workloads.measure.server import free_port
 
 DEFAULT_SIZES = "1K,4K,16K,64K,256K,1M,4M"
 REPEATS = 5

@@ -37,8 +37,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from workloads.cli import add_trace_args, trace_from_args
-from workloads.trace import TraceRequest, save_trace
+from workloads.load.cli import add_trace_args, trace_from_args
+from workloads.load.trace import TraceRequest, save_trace
 
 FORMATS = ("mooncake", "jsonl", "vidur-csv")
 
@@ -71,7 +71,7 @@ def write_jsonl(records: Iterable[dict[str, Any]], path: str | Path) -> None:
 
 
 def write_vidur_csv(trace: Iterable[TraceRequest], path: str | Path) -> None:
-    """The Vidur/Azure CSV columns that ``workloads.replay`` reads."""
+    """The Vidur/Azure CSV columns that ``workloads.load.replay`` reads."""
     with open(path, "w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
         writer.writerow(["arrived_at", "num_prefill_tokens", "num_decode_tokens"])

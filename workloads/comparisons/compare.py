@@ -35,10 +35,13 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from workloads.cli import add_goodput_args, add_trace_args, slos_from_args, trace_from_args
-from workloads.client import run_trace
-from workloads.metrics import DEFAULT_SLOS, summarize
-from workloads.report import (
+from workloads.load.cli import add_goodput_args, add_trace_args, slos_from_args, trace_from_args
+from workloads.load.slos import DEFAULT_SLOS
+from workloads.load.trace import TraceRequest
+from workloads.measure.client import run_trace
+from workloads.measure.metrics import summarize
+from workloads.measure.server import STARTUP_TIMEOUT_S, ServerFailed, free_port, start_server
+from workloads.reports.report import (
     RUN_NAMES,
     RunResult,
     describe_trace,
@@ -47,8 +50,6 @@ from workloads.report import (
     save_run,
     write_report,
 )
-from workloads.server import STARTUP_TIMEOUT_S, ServerFailed, free_port, start_server
-from workloads.trace import TraceRequest
 
 #: SGLang puts ``queue_time`` into a response's meta_info only with metrics enabled; every run
 #: gets it, so the (small) cost of collecting metrics is the same for all systems.

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import requests
 
-from workloads.bench_switch import _prompts, _serve
+from workloads.microbench.bench_switch import _prompts, _serve
 
 TP2 = {"X-Flying-TP": "2"}
 

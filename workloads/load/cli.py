@@ -12,15 +12,15 @@ import argparse
 import os
 from pathlib import Path
 
-from workloads.arrivals import ARRIVAL_KINDS, RAMP_STRATEGIES, ArrivalProcess, retime
-from workloads.metrics import DEFAULT_SLOS, parse_slos
-from workloads.replay import DEFAULT_TRACES_DIR, TRACES_ENV, replay_trace
-from workloads.trace import TraceRequest, load_trace
+from workloads.load.arrivals import ARRIVAL_KINDS, RAMP_STRATEGIES, ArrivalProcess, retime
+from workloads.load.replay import DEFAULT_TRACES_DIR, TRACES_ENV, replay_trace
+from workloads.load.slos import DEFAULT_SLOS, parse_slos
+from workloads.load.trace import TraceRequest, load_trace
 
 
 def add_trace_args(parser: argparse.ArgumentParser, default_preset: str = "cpu-small") -> None:
     """The trace options (see the module docstring)."""
-    from workloads.presets import PRESETS
+    from workloads.load.presets import PRESETS
 
     group = parser.add_argument_group("trace")
     group.add_argument("--preset", default=default_preset, choices=sorted(PRESETS))
@@ -63,7 +63,7 @@ def arrival_from_args(args: argparse.Namespace) -> ArrivalProcess | None:
 
 def trace_from_args(args: argparse.Namespace) -> tuple[list[TraceRequest], str]:
     """The trace the options name, and a one-line description of where it came from."""
-    from workloads.presets import PRESETS, build_preset
+    from workloads.load.presets import PRESETS, build_preset
 
     if args.traces_dir:  # presets resolve their files lazily, through the variable
         os.environ[TRACES_ENV] = str(Path(args.traces_dir).expanduser())

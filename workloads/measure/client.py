@@ -24,9 +24,9 @@ from typing import Any
 import aiohttp
 from tqdm import tqdm
 
-from workloads import stream
-from workloads.records import RequestRecord, save_records
-from workloads.trace import DEFAULT_TOKEN_ID_RANGE, TraceRequest, token_ids_for
+from workloads.load.trace import DEFAULT_TOKEN_ID_RANGE, TraceRequest, token_ids_for
+from workloads.measure import stream
+from workloads.measure.records import RequestRecord, save_records
 
 BACKENDS = ("generate", "openai")
 ENDPOINTS = {"generate": "/generate", "openai": "/v1/completions"}
@@ -235,8 +235,8 @@ def _run(coro: Any) -> Any:
 
 def main(argv: list[str] | None = None) -> None:
     """CLI: send a preset or trace file, write records, print the summary table."""
-    from workloads.cli import add_goodput_args, add_trace_args, slos_from_args, trace_from_args
-    from workloads.metrics import render_markdown, summarize
+    from workloads.load.cli import add_goodput_args, add_trace_args, slos_from_args, trace_from_args
+    from workloads.measure.metrics import render_markdown, summarize
 
     parser = argparse.ArgumentParser(description="Open-loop streaming benchmark client.")
     parser.add_argument("--url", default="http://127.0.0.1:30000")

@@ -30,18 +30,18 @@ from typing import Any
 
 import requests
 
-from workloads.cli import add_goodput_args, add_trace_args, slos_from_args, trace_from_args
-from workloads.client import run_trace
-from workloads.export import (
+from workloads.load.cli import add_goodput_args, add_trace_args, slos_from_args, trace_from_args
+from workloads.load.export import (
     load_mooncake,
     load_tokenizer,
     mooncake_records,
     sglang_block_tokens,
     write_jsonl,
 )
-from workloads.metrics import Summary, summarize
-from workloads.records import save_records
-from workloads.server import Server, start_server
+from workloads.measure.client import run_trace
+from workloads.measure.metrics import Summary, summarize
+from workloads.measure.records import save_records
+from workloads.measure.server import Server, start_server
 
 DEFAULT_SERVER_ARGS = "--dp-size 2 --enable-metrics"
 

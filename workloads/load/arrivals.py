@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from workloads.trace import TraceRequest
+from workloads.load.trace import TraceRequest
 
 ARRIVAL_KINDS = ("poisson", "gamma", "constant", "ramp")
 RAMP_STRATEGIES = ("linear", "exponential")

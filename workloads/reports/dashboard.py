@@ -451,8 +451,8 @@ def run_workload(url: str, preset: str, seed: int, limit: int | None, every_s: f
                  tail_s: float) -> tuple[list[Scrape], dict[str, Any]]:
     """Scrape ``url`` while the preset runs (open loop, the project's client), then
     ``tail_s`` more seconds so the rates fall back to zero on the plots."""
-    from workloads.client import _run, run_trace
-    from workloads.presets import build_preset
+    from workloads.load.presets import build_preset
+    from workloads.measure.client import _run, run_trace
 
     trace = build_preset(preset, seed)[:limit]
     scraper = Scraper(url, every_s)
@@ -493,7 +493,7 @@ def main(argv: list[str] | None = None) -> None:
     server = None
     url = args.url
     if url is None:
-        from workloads.server import start_server
+        from workloads.measure.server import start_server
 
         flags = ["--dp-size", "2", "--enable-metrics", *args.server_args]
         server, startup_s = start_server(flags, args.server_log)

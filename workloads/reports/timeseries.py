@@ -13,8 +13,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from workloads.metrics import flying_mode
-from workloads.records import RequestRecord
+from workloads.measure.metrics import flying_mode
+from workloads.measure.records import RequestRecord
 
 Point = tuple[float, float | None]
 

@@ -33,8 +33,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from workloads.server import Server, start_server
-from workloads.sidebyside import run_sglang
+from workloads.comparisons.sidebyside import run_sglang
+from workloads.measure.server import Server, start_server
 
 DEFAULT_SERVER_ARGS = "--dp-size 2"
 SYSTEMS = {"flying": [], "groups-off": ["--flying-tp-degrees", "none"]}
