@@ -124,9 +124,16 @@ class LayoutChooser:
         return e2e * (1 + self.latency_gain) if lay.groups else e2e
 
     def _best(self, preds: dict[Layout, Prediction], output: float) -> Layout:
+        """The highest goodput; among ties a layout that keeps up with the rate before
+        one that does not, then the lowest latency; where every tie is saturated (an
+        overload: goodput ~0 everywhere, and the latency of a saturated layout says
+        little), the one that serves the most clears its queue soonest."""
         top = max(p.goodput for p in preds.values())
         equal = [lay for lay, p in preds.items() if p.goodput >= top * (1 - GOODPUT_TIE)]
-        return min(equal, key=lambda lay: (self._latency(lay, preds[lay], output), lay.groups))
+        keeping_up = [lay for lay in equal if not preds[lay].saturated]
+        if not keeping_up:
+            return max(equal, key=lambda lay: (preds[lay].throughput, -lay.groups))
+        return min(keeping_up, key=lambda lay: (self._latency(lay, preds[lay], output), lay.groups))
 
     def choose(self, now: float, costs: Costs, traffic: Traffic, running: int, queued: int,
                slo: Slo, switch: SwitchCosts) -> Choice:
@@ -165,6 +172,13 @@ class LayoutChooser:
         elif not tie or new.goodput < cur.goodput:  # not for less goodput
             return Choice(self.current, f"goodput: keep {cur.layout} (within "
                           f"{GOODPUT_MARGIN:.0%} of {best.name})", briefs)
+        elif cur.saturated and new.saturated:  # an overload: decided by what each serves
+            extra = (new.throughput - cur.throughput) / output  # req/s
+            if extra <= GOODPUT_MARGIN * cur.throughput / output:
+                return Choice(self.current, f"goodput: keep {cur.layout} (saturated, "
+                              f"within {GOODPUT_MARGIN:.0%} of {best.name}'s throughput)", briefs)
+            worth = extra * self.horizon_s > delayed * min(1.0, cost_ms / slo.ttft_ms)
+            kind = f"throughput {new.throughput:.0f} vs {cur.throughput:.0f} tok/s, both saturated"
         else:  # a tie on goodput, decided by latency
             saved = self._latency(self.current, cur, output) - self._latency(best, new, output)
             worth = saved * traffic.rate * self.horizon_s > delayed * cost_ms

@@ -174,16 +174,20 @@ class PolicyConfig:
 
 #: Derived SLOs: this many times the quiet service of the faster layout (the issue's
 #: benchmark definition: TTFT <= 4x the quiet TTFT, TPOT <= 1.5x the quiet TPOT), for
-#: a prompt of SLO_PROMPT tokens.
+#: the traffic's mean prompt, at least SLO_PROMPT tokens (a TTFT target sized for short
+#: prompts is one no layout meets for long ones: every goodput 0, the choice blind).
 SLO_TTFT_X, SLO_TPOT_X, SLO_PROMPT = 4.0, 1.5, 256
 
 
-def derive_slo(config: PolicyConfig, costs: Costs | None, degrees: tuple[int, ...]) -> Slo | None:
+def derive_slo(
+    config: PolicyConfig, costs: Costs | None, degrees: tuple[int, ...], prompt: float = 0.0
+) -> Slo | None:
     """The node's SLOs: the configured ones, each unset one derived from the quiet
-    service (one request alone) of the fastest mode measured; None if a needed one
-    cannot be derived yet (no costs)."""
+    service (one request alone, of ``prompt`` tokens, at least ``SLO_PROMPT``) of the
+    fastest mode measured; None if a needed one cannot be derived yet (no costs)."""
+    size = max(float(SLO_PROMPT), prompt)
     quiets = [q for d in (1, *degrees) if costs is not None
-              and (q := quiet(costs, d, SLO_PROMPT)) is not None]
+              and (q := quiet(costs, d, size)) is not None]
     if quiets:
         ttft = config.slo_ttft_ms or SLO_TTFT_X * min(q[0] for q in quiets)
         tpot = config.slo_tpot_ms or SLO_TPOT_X * min(q[1] for q in quiets)
@@ -306,7 +310,7 @@ class Policy:
         """The adaptive rule with traffic: the layout predicted to serve the most
         requests within SLO (``scheduler.layout_choice``), and this request's place in
         it. No measured costs: DP (a group is never chosen unmeasured)."""
-        self.slo = self.slo or derive_slo(self.config, costs, self.node.degrees)
+        self.slo = derive_slo(self.config, costs, self.node.degrees, traffic.prompt)
         if costs is None or self.slo is None:
             self.last_choice = None
             return Decision("dp", 1, "adaptive: no measured step costs yet")

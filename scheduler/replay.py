@@ -92,8 +92,6 @@ class _Placer:
     def place(self, ev: dict) -> tuple[Decision, Decision]:
         """(logged, replayed) decision of a placement line."""
         loads = None if ev["loads"] is None else [EngineLoad(**e) for e in ev["loads"]]
-        if ev.get("slo") and not (self.config.slo_ttft_ms or self.config.slo_tpot_ms):
-            self.policy.slo = Slo(**ev["slo"])  # the node's SLOs as it used them
         traffic = Traffic(**ev["traffic"]) if ev.get("traffic") else None
         switch = SwitchCosts(**ev["switch"]) if ev.get("switch") else None
         got = self.policy.decide(

@@ -17,7 +17,7 @@ from scheduler.costs import Costs, Curve, interpolate
 from scheduler.layout_choice import DWELL_S, LayoutChooser, SwitchCosts
 from scheduler.policy import EngineLoad, Node, Policy, PolicyConfig, Request, derive_slo
 from scheduler.replay import record, replay
-from scheduler.service import Layout, Slo, layouts, predict
+from scheduler.service import Layout, Prediction, Slo, layouts, predict
 from scheduler.traffic import Arrivals, Traffic
 
 pytestmark = pytest.mark.unit
@@ -211,6 +211,40 @@ def test_slo_derived_from_the_quiet_service_unless_configured():
     assert slo == Slo(round(4 * quiet_ttft, 1), round(1.5 * TP_ALWAYS.decode(2, 1), 2))
     assert derive_slo(PolicyConfig(slo_ttft_ms=900.0), TP_ALWAYS, (2,)).ttft_ms == 900.0
     assert derive_slo(PolicyConfig(), None, (2,)) is None
+
+
+def test_the_derived_ttft_slo_scales_with_the_traffics_prompts():
+    """A TTFT target sized for 256-token prompts is one no layout meets for 4000-token
+    ones (every goodput 0: the choice is blind); the derived target is for the
+    traffic's mean prompt (never below 256 tokens)."""
+    short = derive_slo(PolicyConfig(), TP_ALWAYS, (2,), prompt=100)
+    assert short == derive_slo(PolicyConfig(), TP_ALWAYS, (2,))
+    long = derive_slo(PolicyConfig(), TP_ALWAYS, (2,), prompt=4000)
+    quiet_ttft = TP_ALWAYS.prefill(2, 4000) + TP_ALWAYS.decode(2, 1) / 2
+    assert long.ttft_ms == round(4 * quiet_ttft, 1) > short.ttft_ms
+    assert long.tpot_ms == short.tpot_ms
+    assert derive_slo(PolicyConfig(slo_ttft_ms=900.0), TP_ALWAYS, (2,), 4000).ttft_ms == 900.0
+
+
+def test_an_overload_takes_the_layout_that_serves_the_most():
+    """Far past every layout's capacity each goodput is 0, and a saturated layout's
+    latency says little: the one that serves the most drains the queue soonest, even
+    where another's steps are shorter. Among goodput ties, one that keeps up with the
+    rate comes before one that does not."""
+    chooser = LayoutChooser(2, (2,), 10.0, 0.1, 4096)
+    dp, tp = Layout((1, 1)), Layout((2,))
+    fast_small = Prediction("1xTP2", 3000.0, 30.0, 0.0, 300.0, True)
+    slow_big = Prediction("2xDP", 5000.0, 80.0, 0.0, 500.0, True)
+    assert chooser._best({dp: slow_big, tp: fast_small}, 64) == dp
+    keeps_up = Prediction("2xDP", 900.0, 90.0, 0.0, 200.0, False)
+    assert chooser._best({dp: keeps_up, tp: fast_small}, 64) == dp
+    # the chooser leaves a saturated group for the DP layout that serves more
+    traffic = Traffic(0, 40.0, 40.0, 128, 64, n_short=120, n_long=400)
+    preds = chooser.predict_all(TP_LIGHT, traffic, 50, SLO)
+    assert preds[dp].saturated and preds[tp].saturated and preds[dp].goodput == preds[tp].goodput == 0
+    chooser.current = tp
+    choice = chooser.choose(100.0, TP_LIGHT, traffic, 4, 50, SLO, SwitchCosts())
+    assert choice.layout == dp and "throughput" in choice.reason, choice.reason
 
 
 def test_goodput_decisions_replay_from_the_log():
