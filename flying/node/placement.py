@@ -35,21 +35,38 @@ DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's SamplingParams default
 SLOTS_ABOVE_INPUT_LIMIT = 6
 
 
-def make_policy(
-    num_engines: int, max_req_input_len: int, context_len: int = 0, model_path: str | None = None
-) -> Policy:
-    """The policy for this node, from the limits SGLang's engines report at startup and
-    the checkpoint's KV heads (a group replicating them pools less KV: ``Node.kv_heads``)."""
-    cfg = get_config()
-    node = Node(
+def node_of(
+    num_engines: int, degrees: tuple[int, ...], max_req_input_len: int, context_len: int = 0,
+    kv_pool: int = 0, kv_heads: int = 0,
+) -> Node:
+    """The policy's ``Node`` from the limits SGLang's engines report: one request's
+    limit (``max_req_input_len``), the KV pool (``kv_pool``: SGLang's
+    ``max_total_num_tokens``; 0 where the process does not know it, then the request
+    limit stands for it, which is the pool only where the pool is the tighter bound),
+    the context length (0: not bounded here) and the checkpoint's KV heads.
+
+    The pool matters to the adaptive policy: it is how many requests a server batches
+    (a pool of 800k tokens under an 8k context holds ~100 requests, not ~2)."""
+    return Node(
         num_engines,
-        tuple(cfg.degree_list() or ()),
+        degrees,
         engine_capacity=max_req_input_len + 1,
-        engine_slots=max_req_input_len + SLOTS_ABOVE_INPUT_LIMIT,
+        engine_slots=kv_pool or max_req_input_len + SLOTS_ABOVE_INPUT_LIMIT,
         group_slack=ADMISSION_SLACK,
         context_limit=max(0, context_len - 1),
-        kv_heads=model_kv_heads(model_path),
+        kv_heads=kv_heads,
     )
+
+
+def make_policy(
+    num_engines: int, max_req_input_len: int, context_len: int = 0,
+    model_path: str | None = None, kv_pool: int = 0,
+) -> Policy:
+    """The policy for this node (``node_of``), with the checkpoint's KV heads (a group
+    replicating them pools less KV: ``Node.kv_heads``)."""
+    cfg = get_config()
+    node = node_of(num_engines, tuple(cfg.degree_list() or ()), max_req_input_len,
+                   context_len, kv_pool, model_kv_heads(model_path))
     return Policy(
         PolicyConfig(
             cfg.policy, cfg.priority_threshold, cfg.light_load, cfg.heavy_load, cfg.tp_gain,

@@ -148,8 +148,9 @@ def _log_slo(store, degrees: list[int], engines: int) -> None:
         if slo is not None:
             logger.info("Flying: node SLOs TTFT %.0f ms, TPOT %.1f ms (%s)", slo.ttft_ms,
                         slo.tpot_ms, "configured" if cfg.slo_ttft and cfg.slo_tpot else
-                        "derived: 4x / 1.5x the measured quiet service; --flying-slo-ttft, "
-                        "--flying-slo-tpot set them")
+                        "derived: 4x / 1.5x the measured quiet service of a 256-token "
+                        "prompt; the TTFT target grows with the traffic's mean prompt; "
+                        "--flying-slo-ttft, --flying-slo-tpot set them")
     except Exception:  # noqa: BLE001 - a log line only
         logger.exception("Flying: could not derive the node's SLOs")
 

@@ -106,3 +106,18 @@ def test_the_policy_reads_the_checkpoints_kv_heads(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 8}))
     assert model_kv_heads(str(tmp_path)) == 8  # MHA: as many KV heads as query heads
     assert model_kv_heads(str(tmp_path / "missing")) == 0 and model_kv_heads(None) == 0
+
+
+def test_the_policy_knows_the_kv_pool_not_only_one_requests_limit():
+    """Under an 8k context an 800k-token pool batches ~100 requests per engine; the
+    node's shape carries the pool (what the adaptive policy's service model batches),
+    while one request's limit and a group's capacity stay bounded by the context."""
+    from flying.node.placement import SLOTS_ABOVE_INPUT_LIMIT, node_of
+
+    node = node_of(8, (2, 4, 8), max_req_input_len=8186, context_len=8192, kv_pool=800_000)
+    assert node.engine_slots == 800_000
+    assert node.capacity(1) == 8187 and node.capacity(8) == 8191
+    # the HTTP process does not know the pool: SGLang's request limit stands for it,
+    # which is the pool where the pool is the tighter bound (the CPU tests' case)
+    small = node_of(2, (2,), max_req_input_len=394, kv_pool=0)
+    assert small.engine_slots == 394 + SLOTS_ABOVE_INPUT_LIMIT == 400
