@@ -184,6 +184,8 @@ class FlyingEngine(Lifecycle, Drain):
         if s is not None:
             s.dp_work = _has_dp_work(scheduler)
             s.dp_held = s.dp_held and s.dp_work
+            if not s.scope.entered:  # DP state (not the boundary that just bound it)
+                s.dp_arrived = s.dp_work and (s.dp_arrived or bool(scheduler.waiting_queue))
             if s.dp_turn and s.dp_work:
                 s.dp_turn = False
                 plan = self._dp_step(scheduler, s, original)

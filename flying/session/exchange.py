@@ -37,6 +37,8 @@ class Shared:
     busy: int = 0  # members with session requests still waiting or running
     #: members whose running DP requests need KV slots this session holds to decode
     dp_held: int = 0
+    #: members where DP requests arrived during the session (``GroupSession.dp_arrived``)
+    dp_arrived: int = 0
 
     @property
     def done(self) -> bool:
@@ -57,20 +59,23 @@ def _padded(values: list[int], width: int) -> list[int]:
     return [len(values), *values, *[0] * (width - len(values))]
 
 
-#: the summed ``own`` carries three counts, a byte each: DP work, busy, DP held for KV
+#: the summed ``own`` carries four counts, a byte each: DP work, busy, DP held for KV,
+#: DP arrivals
 _BUSY = 1 << 8
 _HELD = 1 << 16
+_ARRIVED = 1 << 24
 
 
 def exchange(
     member, batch, offers: list[int], aborts: list[int], dp_work: bool, busy: bool,
-    dp_held: bool = False,
+    dp_held: bool = False, dp_arrived: bool = False,
 ) -> Shared:
     """One collective: check lockstep, learn the leader's offers and aborts, and how many
-    members have DP work waiting, session work left, or DP requests held for KV."""
+    members have DP work waiting, session work left, DP requests held for KV, or DP
+    requests that arrived during the session."""
     mine = signature(batch)
     values = mine + _padded(offers[:MAX_OFFERS], MAX_OFFERS) + _padded(aborts[:MAX_ABORTS], MAX_ABORTS)
-    own = int(dp_work) + _BUSY * int(busy) + _HELD * int(dp_held)
+    own = int(dp_work) + _BUSY * int(busy) + _HELD * int(dp_held) + _ARRIVED * int(dp_arrived)
     shared, own = member.share_ints(values, WIDTH, own=own)
     if shared[:SIG] != mine:
         raise LockstepError(
@@ -81,5 +86,6 @@ def exchange(
     a = o + 1 + MAX_OFFERS
     return Shared(
         shared[o + 1 : o + 1 + shared[o]], shared[a + 1 : a + 1 + shared[a]],
-        own % _BUSY, own // _BUSY % (_HELD // _BUSY), own // _HELD,
+        own % _BUSY, own // _BUSY % (_HELD // _BUSY), own // _HELD % (_ARRIVED // _HELD),
+        own // _ARRIVED,
     )

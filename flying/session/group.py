@@ -75,6 +75,12 @@ class GroupSession:
     idle_steps: int = 0
     move_retry_at: int = 0  # the TP step from which a refused move may be tried again
     dp_work: bool = False  # this member has DP work (seen at the last boundary)
+    #: DP requests arrived at this member during the session (waiting, or prefilled in
+    #: a DP step between group steps) and it still has DP work: what moves a session's
+    #: requests to DP. Running DP requests it had before (preempted ones, or requests
+    #: an earlier session moved here) are served between group steps, not a reason to
+    #: move: each new session would otherwise hand its requests to DP at once.
+    dp_arrived: bool = False
     dp_turn: bool = False  # the next boundary runs a DP step if there is DP work
     #: this member's DP decode needs KV slots the session holds: its DP step is held
     #: and the session yields (moves its requests or, closed to new ones, drains)

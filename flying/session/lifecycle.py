@@ -150,12 +150,12 @@ class Lifecycle:
             )
         if shared.offers:
             s.joined += admission.admit(self, scheduler, s.member, s.scope, shared.offers)
-        # DP work waits on a member: a session that may hand its requests to DP moves
-        # them to the leader now (every member decides alike: shared values, lockstep).
-        # Any session (unless moves are off) yields when a member's DP requests need
-        # the KV it reserved there; while they do, it takes no one new.
+        # DP requests arrived at a member: a session that may hand its requests to DP
+        # moves them now (every member decides alike: shared values, lockstep). Any
+        # session (unless moves are off) yields when a member's DP requests need the KV
+        # it reserved there; while they do, it takes no one new.
         held = bool(shared.dp_held)
-        wants_move = (bool(shared.dp_waiting) and self._may_move(s)) or (
+        wants_move = (bool(shared.dp_arrived) and self._may_move(s)) or (
             held and self.move_to_dp != "off" and s.tp_steps >= s.move_retry_at
         )
         if wants_move and move.ready(scheduler):
@@ -180,7 +180,8 @@ class Lifecycle:
             if s.is_leader else []
         )
         busy = bool(scheduler.waiting_queue) or not scheduler.running_batch.is_empty()
-        s.shared = exchange.exchange(s.member, batch, offers, due, s.dp_work, busy, s.dp_held)
+        s.shared = exchange.exchange(s.member, batch, offers, due, s.dp_work, busy, s.dp_held,
+                                     s.dp_arrived)
         if batch is not None:
             s.idle_steps = 0
             s.tp_steps += 1

@@ -213,3 +213,28 @@ def test_a_fault_while_joining_leaves_the_request_in_dp(move_server, demo_model_
     after = settled(move_server, before)
     assert _delta(after, before, "moved_to_tp") == 1
     assert long["output_ids"] == greedy_tokens(demo_model_dir, long_prompt, LONG)
+
+
+def test_dp_work_a_group_found_at_its_bind_is_served_beside_it_not_moved_into(
+    move_server, demo_model_dir
+):
+    """A DP request running on engine 1 (not the leader: it does not join) when a TP-2
+    request binds the group: the group's request stays in the group to its end, the DP
+    request runs between group steps. Only DP work that arrives during a session moves
+    its requests; otherwise every session formed beside running DP requests (those an
+    earlier session moved to DP among them) would hand its requests to DP at once."""
+    long_prompt, short_prompt = prompts(2, 36, seed=211)
+    before = wait_idle(move_server)
+    dp, result = greedy_on(move_server, long_prompt, LONG, 1)
+    until(lambda: delta(status(move_server), before, "prefill_tokens") >= len(long_prompt),
+          "the DP request did not start")
+    short = greedy(move_server, short_prompt, SHORT, TP2)
+    dp.join(timeout=600)
+    assert result.pop("status_code") == 200, result
+    after = settled(move_server, before)
+    flying = short["meta_info"]["flying"]
+    assert flying["mode"] == "tp" and "moved" not in flying, flying
+    assert _delta(after, before, "moved_to_dp") == 0 and _delta(after, before, "moved_to_tp") == 0
+    assert _delta(after, before, "dp_steps_in_session") > 0
+    assert short["output_ids"] == greedy_tokens(demo_model_dir, short_prompt, SHORT)
+    assert result["output_ids"] == greedy_tokens(demo_model_dir, long_prompt, LONG)

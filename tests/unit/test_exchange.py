@@ -36,6 +36,17 @@ def test_offers_aborts_and_counts_round_trip():
     assert got.dp_waiting == 2 and got.busy == 1 and not got.done
 
 
+def test_each_count_is_its_own_across_members():
+    """DP work, busy, held and arrived are four counts summed over the members: a
+    member with DP work that arrived during the session is told apart from one whose
+    DP requests were there before (moved in by an earlier session)."""
+    other = 1 + (1 << 24)  # the peer: DP work, arrived during the session
+    got = exchange.exchange(_Leader(others_own=other), None, [], [], True, True, True, False)
+    assert (got.dp_waiting, got.busy, got.dp_held, got.dp_arrived) == (2, 1, 1, 1)
+    moved_in = exchange.exchange(_Leader(others_own=1), None, [], [], True, False)
+    assert moved_in.dp_waiting == 2 and moved_in.dp_arrived == 0
+
+
 def test_session_ends_only_when_no_member_is_busy():
     idle = exchange.exchange(_Leader(), None, [], [], False, False)
     assert idle.done
