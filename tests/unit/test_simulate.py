@@ -11,6 +11,7 @@ from dataclasses import replace
 import pytest
 
 from flying.node.config import FlyingConfig
+from flying.node.placement import SLOTS_ABOVE_INPUT_LIMIT
 from scheduler.costs import Costs, Curve
 from scheduler.layout_choice import SwitchCosts
 from scheduler.policy import Node, PolicyConfig
@@ -193,15 +194,51 @@ def test_a_member_with_dp_work_runs_one_dp_step_between_two_group_steps():
     assert all(g * 1000 == pytest.approx(shared) for g in dp.itl_s)
 
 
-def test_the_kv_pool_experiment_changes_only_what_the_policy_is_told():
+def _beside_running_dp(arrival: float | None):
+    """Engine 1 runs a DP request when an explicit TP-2 request binds engines 0 and 1
+    (engine 1 is no leader: its request does not join); ``arrival``: a DP request
+    reaches engine 0 then, while the session runs."""
+    profile = flat(10.0, 4.0)
+    trace = [TraceRequest(0, 0.0, 16, 5), TraceRequest(1, 0.0, 16, 400),
+             TraceRequest(2, 0.5, 16, 200)]
+    if arrival is not None:
+        trace.append(TraceRequest(3, arrival, 16, 50))
+    return simulate(trace, profile, 2, policy_settings("static-dp", FlyingConfig(move_to_dp="all")),
+                    explicit={2: 2})
+
+
+def test_a_session_moves_for_dp_requests_that_arrive_during_it_not_for_running_ones():
+    """``GroupSession.dp_arrived``: a session bound beside a member's running DP request
+    keeps its request (the DP request runs one DP step between group steps); a DP
+    request dispatched to a member during the session moves the session's requests."""
+    beside = _beside_running_dp(None)
+    first, running, group = beside.records
+    assert first.end_s < 0.5 and running.flying["ranks"] == [1] and running.end_s > 0.6
+    assert group.flying["mode"] == "tp" and "moved" not in group.flying
+    assert beside.counters["moves"] == 0 and beside.counters["joins"] == 0
+    c = flat(10.0, 4.0).costs
+    shared = c.decode(2, 1) + c.decode(1, 1)
+    assert shared in [pytest.approx(g * 1000) for g in group.itl_s]  # DP steps between
+    arrived = _beside_running_dp(0.6)
+    group, new = arrived.records[2], arrived.records[3]
+    assert arrived.counters["moves"] == 1
+    assert group.flying["mode"] == "tp" and group.flying["moved"].startswith("moved to DP")
+    assert new.flying["ranks"] == [0] and all(r.success for r in arrived.records)
+
+
+def test_the_controllers_policy_knows_the_kv_pool_the_http_process_the_request_limit():
+    """``placement.node_of`` as the node calls it: the DP controller passes SGLang's KV
+    pool (what a server batches), the HTTP process does not know it (SGLang's request
+    limit stands for it) but knows the context."""
     profile = load("h100-llama3-8b")  # a pool of ~396k tokens, a context of 8192
     trace = build_preset("paper", 0)[:50]
-    heads = {}
-    for what_if in (False, True):
-        res = simulate(trace, profile, 8, policy_settings("adaptive", FlyingConfig()),
-                       what_if_pool=what_if)
-        heads[what_if] = json.loads(res.decisions[0])["node"]
-    assert heads[False]["engine_slots"] == profile.context_len  # make_policy's min(context, pool)
-    assert heads[True]["engine_slots"] == profile.kv_tokens
-    assert {k: v for k, v in heads[False].items() if k != "engine_slots"} == \
-        {k: v for k, v in heads[True].items() if k != "engine_slots"}
+    res = simulate(trace, profile, 8, policy_settings("adaptive", FlyingConfig()))
+    head = json.loads(res.decisions[0])["node"]
+    assert head["engine_slots"] == profile.kv_tokens > profile.context_len
+    assert head["num_engines"] == 8 and head["context_limit"] == 0
+    input_limit = profile.max_req_len - 5  # SGLang's max_req_input_len
+    assert head["engine_capacity"] == input_limit + 1
+    http = profile.node(8, (2, 4, 8), http=True)
+    assert http.engine_slots == input_limit + SLOTS_ABOVE_INPUT_LIMIT == profile.context_len
+    assert http.num_engines == 8 and http.context_limit == profile.context_len - 1
+    assert http.engine_capacity == head["engine_capacity"]

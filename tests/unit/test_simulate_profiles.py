@@ -63,6 +63,19 @@ def test_a_decision_log_gives_back_the_profile_it_was_made_with(tmp_path):
     assert got.max_req_len == profile.max_req_len
 
 
+def test_a_decision_log_gives_back_a_pool_larger_than_the_context(tmp_path):
+    """The controller's head line carries the KV pool and one request's limit: a pool
+    of ~400k tokens under an 8k context comes back as both."""
+    profile = load("h100-llama3-8b")
+    res = simulate(build_preset("paper", 0)[:20], profile, 8,
+                   policy_settings("adaptive", FlyingConfig()))
+    path = tmp_path / "decisions.jsonl"
+    path.write_text("".join(line + "\n" for line in res.decisions))
+    got = from_decision_log(path)
+    assert (got.kv_tokens, got.context_len) == (profile.kv_tokens, profile.context_len)
+    assert got.max_req_len == profile.max_req_len and got.degrees == profile.degrees
+
+
 def test_a_status_document_gives_the_merged_curves_and_the_smallest_pool(tmp_path):
     engines = [
         {"rank": 0, "mode": "dp", "degrees": [2], "total_kv_slots": 16384, "binds": 2,

@@ -51,16 +51,14 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--kv-heads", type=int, default=0,
                         help="the model's KV heads (a status document does not say)")
     parser.add_argument("--kv-tokens", type=int, help="KV tokens per engine (a decision log "
-                        "says min(context, KV pool): give the pool where it is larger)")
+                        "says the pool; one written before the controller knew it says "
+                        "min(context, KV pool): give the pool where it is larger)")
     parser.add_argument("--save-profile", metavar="JSON", help="write the profile used here")
     parser.add_argument("--engines", type=int, help="engines (default: the profile's node)")
     parser.add_argument("--policies", default=DEFAULT_POLICIES,
                         help="comma list: static-dp, static-tp, static-tpM, adaptive, manual")
     parser.add_argument("--rates", help="comma list of req/s: re-time the trace at each "
                         "(--arrival, default poisson) and print goodput against rate")
-    parser.add_argument("--what-if-kv-pool", action="store_true",
-                        help="an experiment, not the node: the adaptive policy's Node is told "
-                        "the KV pool per engine instead of SGLang's min(context, pool)")
     parser.add_argument("--out", help="directory for records, summaries, logs, report, plot")
     parser.add_argument("--no-plot", action="store_true")
     add_cli_args(parser)
@@ -119,13 +117,11 @@ def table(results: Sequence[SimResult], summaries: Sequence[Summary]) -> str:
     return "\n".join(lines)
 
 
-def describe(profile: profiles.Profile, engines: int, slos: dict[str, float],
-             what_if: bool = False) -> str:
+def describe(profile: profiles.Profile, engines: int, slos: dict[str, float]) -> str:
     return (f"SIMULATED (workloads.simulate), not measured: profile `{profile.name}` "
             f"({profile.kind}: {profile.source}), {engines} engines, KV "
             f"{profile.kv_tokens} tokens/engine; goodput SLOs "
-            + ", ".join(f"{k} <= {v:g} ms" for k, v in slos.items())
-            + ("; WHAT-IF: the policy told the KV pool (--what-if-kv-pool)" if what_if else ""))
+            + ", ".join(f"{k} <= {v:g} ms" for k, v in slos.items()))
 
 
 def write(out: Path, results: Sequence[SimResult], summaries: Sequence[Summary],
@@ -164,15 +160,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     trace, source = trace_from_args(args)
     results, summaries = [], []
     for name in policies:
-        res = simulate(trace, profile, engines, policy_settings(name, base), name=name,
-                       what_if_pool=args.what_if_kv_pool)
+        res = simulate(trace, profile, engines, policy_settings(name, base), name=name)
         results.append(res)
         summaries.append(summarize(res.records, slos=slos))
         print(f"[simulate] {name}: {len(trace)} requests in {res.wall_s:.1f} s "
               f"(degrees {list(res.degrees) or 'none'})", file=sys.stderr)
     command = shlex.join(["python", "-m", "workloads.simulate",
                           *(sys.argv[1:] if argv is None else argv)])
-    report = "\n\n".join([f"# {describe(profile, engines, slos, args.what_if_kv_pool)}",
+    report = "\n\n".join([f"# {describe(profile, engines, slos)}",
                           f"`{command}`",
                           f"Trace: {source}", table(results, summaries),
                           "Profile assumptions: " + "; ".join(profile.assumptions or ("none",))])

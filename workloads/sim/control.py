@@ -22,16 +22,17 @@ the same inputs:
 The loads are exact (``SimNode.load``: SGLang's snapshot with Flying's
 ``count_session``), where the real controller reads snapshots a few steps old.
 
-``what_if_pool`` is an experiment, not the node: the controller's ``Node`` gets the KV
-pool as ``engine_slots`` where ``make_policy`` gives SGLang's ``max_req_input_len + 6``
-(min(context, pool)), to measure what the policy would choose if it knew the pool.
+The two policies' ``Node``s are built as the node builds them
+(``flying.node.placement.node_of``, ``Profile.node``): the controller's knows each
+engine's KV pool (what a server batches), the HTTP process's the model's context and
+SGLang's request limit.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from types import SimpleNamespace
 
 from flying.node.config import FlyingConfig
@@ -59,16 +60,12 @@ def policy_config(cfg: FlyingConfig) -> PolicyConfig:
 
 class Controller:
     def __init__(self, node: SimNode, profile: Profile, cfg: FlyingConfig,
-                 degrees: tuple[int, ...], log: Callable[[str], None] | None = None,
-                 what_if_pool: bool = False):
+                 degrees: tuple[int, ...], log: Callable[[str], None] | None = None):
         self.node = node
         self.cfg = cfg
         self.profile = profile
         engines = len(node.engines)
-        shape = profile.node(engines, degrees)
-        if what_if_pool:  # an experiment, not the node: the policy told the real KV pool
-            shape = replace(shape, engine_slots=profile.kv_tokens)
-        self.policy = Policy(policy_config(cfg), shape)
+        self.policy = Policy(policy_config(cfg), profile.node(engines, degrees))
         self.http = Policy(policy_config(cfg), profile.node(engines, degrees, http=True))
         self.issuer = BindIssuer(engines, list(degrees)) if degrees else None
         self.arrivals = Arrivals()

@@ -17,7 +17,14 @@ What the real node does with a decision, as ``flying.session`` does it:
   at the head of the leader's queue join at a boundary while every member can
   reserve their KV (else admission closes for the session); the session ends when it
   has no request left;
-- moves and joins (``relayout``) under ``--flying-move-to-dp``.
+- moves and joins (``relayout``) under ``--flying-move-to-dp``. A session moves when
+  DP requests arrived at a member during it (``GroupSession.dp_arrived``: at one of the
+  member's boundaries after the bind, a DP request waiting there, dispatched during the
+  session or waiting since before it, to be prefilled between group steps; the member
+  keeps the mark while it has DP work). DP requests already running there when it bound
+  (preempted ones, or requests an earlier session moved there) are served one DP step
+  between group steps and move nothing. The members learn the marks in the step
+  exchange, so a session acts on them one group step later (``Shared.dp_arrived``).
 
 Invariants (``check``, asserted by the deadlock test): an engine is in at most one
 session, a session's members are an aligned group and all point to it, KV counts never
@@ -85,6 +92,8 @@ class Engine:
         #: bind's rendezvous), "move" (a relayout in progress)
         self.state = "free"
         self.dp_turn = False
+        #: DP requests arrived here during its session (``GroupSession.dp_arrived``)
+        self.dp_arrived = False
 
     def free(self) -> int:
         return self.kv_total - self.dp_used - self.reserved
@@ -103,6 +112,8 @@ class Session:
     admitting: bool = True
     tp_steps: int = 0
     retry_at: int = 0
+    #: a member's DP arrivals as the last group step's exchange shared them
+    arrived: bool = False
     extra_ms: float = 0.0  # switch and join costs paid by the next group step
 
     @property
@@ -195,6 +206,9 @@ class SimNode:
     def boundary(self, e: Engine) -> None:
         s = e.session
         if s is not None:
+            # DP state between group steps (the bind's own boundary does not count):
+            # a DP request waiting here arrived during the session
+            e.dp_arrived = e.dp.has_work() and (e.dp_arrived or bool(e.dp.waiting))
             if e.dp_turn:
                 e.dp_turn = False
                 if e.dp.has_work() and self._dp_step(e):
@@ -260,7 +274,7 @@ class SimNode:
         self.counters["sessions"] += 1
         s.extra_ms += self.switch.bind_ms
         for m in members:
-            m.session, m.state, m.dp_turn = s, "wait", False
+            m.session, m.state, m.dp_turn, m.dp_arrived = s, "wait", False, False
         if bind.upgrade is None:
             relayout.join(self, s)
         self._layout()
@@ -291,9 +305,10 @@ class SimNode:
     def _group_boundary(self, s: Session) -> None:
         if any(m.state != "wait" for m in s.members):
             return
-        wants_move = (relayout.may_move(self.move_to_dp, s.reasons)
-                      and s.tp_steps >= s.retry_at
-                      and any(m.dp.has_work() for m in s.members))
+        # DP requests arrived at a member (shared by the last step's exchange): a
+        # session that may hand its requests to DP moves them (``Lifecycle._tp_form``)
+        wants_move = (s.arrived and relayout.may_move(self.move_to_dp, s.reasons)
+                      and s.tp_steps >= s.retry_at)
         if wants_move and relayout.ready(s):
             if relayout.move(self, s):
                 return
@@ -301,6 +316,7 @@ class SimNode:
         elif s.admitting and not wants_move:
             relayout.admit(self, s)
         step = s.server.form(self.loop.now, lambda r: True)  # KV reserved on admission
+        s.arrived = any(m.dp_arrived for m in s.members)  # this step's exchange
         if step is None:
             self.release(s, 0.0)
             return
@@ -329,7 +345,7 @@ class SimNode:
         move's relayout), then at a boundary."""
         for m in s.members:
             m.reserved -= s.reserved
-            m.session, m.state, m.dp_turn = None, "move", False
+            m.session, m.state, m.dp_turn, m.dp_arrived = None, "move", False, False
         self.sessions.remove(s)
         self._layout()
         self.loop.at(self.loop.now + after_ms / 1000.0, self._released, s.members)

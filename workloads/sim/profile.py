@@ -28,12 +28,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from flying.node.costs_reader import merge, switch_costs
-from flying.node.placement import SLOTS_ABOVE_INPUT_LIMIT
+from flying.node.placement import SLOTS_ABOVE_INPUT_LIMIT, node_of
 from flying.substrate.layout import allowed_degrees
 from scheduler.costs import Costs
 from scheduler.layout_choice import SwitchCosts
 from scheduler.policy import Node
-from scheduler.relayout import ADMISSION_SLACK
 
 #: Where the shipped profiles live (next to this module: no absolute path).
 PROFILES_DIR = Path(__file__).parent / "profiles"
@@ -85,18 +84,17 @@ class Profile:
         return tuple(m for m in fits if m in self.degrees)
 
     def node(self, engines: int, degrees: tuple[int, ...], http: bool = False) -> Node:
-        """The policy's ``Node`` as ``flying.node.placement.make_policy`` builds it from
-        SGLang's limits: the DP controller's (no context length passed) or, with
-        ``http``, the HTTP process's (its engine count is the largest degree)."""
+        """The policy's ``Node`` as the node builds it (``flying.node.placement.node_of``,
+        through ``make_policy``) from SGLang's limits: the DP controller's (no context
+        length passed; the KV pool, SGLang's ``max_total_num_tokens``) or, with
+        ``http``, the HTTP process's (its engine count is the largest degree, the
+        context length known, the pool not: SGLang's request limit stands for it)."""
         input_limit = self.max_req_len - 5  # SGLang: max_req_input_len = max_req_len - 5
-        return Node(
-            max(degrees or (1,)) if http else engines, tuple(degrees),
-            engine_capacity=input_limit + 1,
-            engine_slots=input_limit + SLOTS_ABOVE_INPUT_LIMIT,
-            group_slack=ADMISSION_SLACK,
-            context_limit=max(0, self.context_len - 1) if http else 0,
-            kv_heads=self.kv_heads,
-        )
+        if http:
+            return node_of(max(degrees or (1,)), tuple(degrees), input_limit,
+                           self.context_len, kv_pool=0, kv_heads=self.kv_heads)
+        return node_of(engines, tuple(degrees), input_limit, kv_pool=self.kv_tokens,
+                       kv_heads=self.kv_heads)
 
     # -- JSON -------------------------------------------------------------------------
 
@@ -164,7 +162,9 @@ def load(name_or_path: str) -> Profile:
 def from_decision_log(path: str | Path, chunk_tokens: int = DEFAULT_CHUNK,
                       max_running: int = DEFAULT_MAX_RUNNING) -> Profile:
     """A profile from a node's decision log: the head line's node (engines, degrees,
-    KV heads; its ``engine_slots`` is SGLang's ``min(context, KV pool)``, so it stands
+    KV heads; ``engine_slots`` is the KV pool, ``engine_capacity`` one request's limit,
+    which gives the context length where the pool is larger; a log written before the
+    controller knew the pool has SGLang's ``min(context, KV pool)`` there, which stands
     for both) and the costs and switch costs of the last placement line that has them
     (the node's latest measurements). Chunk size and running cap are not in the log."""
     head, costs, switch = None, None, None
@@ -180,12 +180,15 @@ def from_decision_log(path: str | Path, chunk_tokens: int = DEFAULT_CHUNK,
     if head is None or costs is None:
         raise ValueError(f"{path}: needs the head line and a placement line with costs")
     degrees = tuple(d for d in head["degrees"] if costs.known(d))
+    pool = int(head.get("engine_slots") or head["engine_capacity"])
+    # ``node_of``: capacity = max_req_input_len + 1, max_req_len = min(context, pool) - 1
+    bound = int(head["engine_capacity"]) - 1 + SLOTS_ABOVE_INPUT_LIMIT  # min(context, pool)
     limit = int(head.get("context_limit") or 0)  # the controller's node has none
+    context = limit + 1 if limit else (bound if pool > bound else 0)
     return Profile(
         name=Path(path).stem, costs=costs, switch=switch or SwitchCosts(),
-        kv_tokens=int(head.get("engine_slots") or head["engine_capacity"]),
-        degrees=degrees, max_engines=int(head["num_engines"]),
-        context_len=limit + 1 if limit else 0,
+        kv_tokens=pool, degrees=degrees, max_engines=int(head["num_engines"]),
+        context_len=context,
         kv_heads=int(head.get("kv_heads") or 0), chunk_tokens=chunk_tokens,
         max_running=max_running, kind="measured",
         source=f"decision log {Path(path).name}: head line (node), last placement line's "

@@ -15,9 +15,9 @@ Each follows the engine code it models (``flying.session.lifecycle``, ``admissio
   cannot closes admission for the session (it runs in a later session, in order);
 - join (a forming session whose bind may move, no peer with DP work): the leader's
   running DP requests join with their KV, as many as every member can reserve;
-- move (a session that may move, a member with DP work, every request decoding): the
-  requests go to DP on the members by ``assign``; refused, it retries
-  ``RETRY_STEPS`` group steps later. A move costs the profile's ``move_ms_per_ktok``
+- move (a session that may move, DP requests arrived at a member during it, every
+  request decoding; ``node`` keeps the marks): the requests go to DP on the members by
+  ``assign``; refused, it retries ``RETRY_STEPS`` group steps later. A move costs the profile's ``move_ms_per_ktok``
   per 1k tokens of context, during which the members run nothing.
 """
 

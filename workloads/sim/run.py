@@ -75,12 +75,11 @@ def simulate(
     trace: Sequence[TraceRequest], profile: Profile, engines: int, cfg: FlyingConfig,
     name: str = "", log: bool = True, events: Iterable[Event] = (),
     explicit: dict[int, int] | None = None,
-    after_event: Callable[[SimNode], None] | None = None, what_if_pool: bool = False,
+    after_event: Callable[[SimNode], None] | None = None,
 ) -> SimResult:
     """Run ``trace`` on a node of ``engines`` under ``cfg``; ``explicit`` gives trace
     indices an ``X-Flying-TP`` degree; ``after_event`` is called after every event
-    (the invariant checks of the tests); ``what_if_pool``: ``control.Controller``'s
-    experiment."""
+    (the invariant checks of the tests)."""
     if cfg.preempt != "hard":
         raise ValueError("only --flying-preempt hard is simulated")
     started = time.perf_counter()
@@ -91,8 +90,7 @@ def simulate(
     node = SimNode(engines, profile, loop, cfg.move_to_dp, cfg.bind_timeout_s,
                    on_layout=lambda t, d: layout.append((t, d)),
                    log=(lambda doc: lines.append(json.dumps(doc))) if log else None)
-    control = Controller(node, profile, cfg, degrees, lines.append if log else None,
-                         what_if_pool)
+    control = Controller(node, profile, cfg, degrees, lines.append if log else None)
     reqs = [_request(r, (explicit or {}).get(r.index, 0)) for r in trace]
     for req in reqs:
         loop.at(req.arrival, control.arrive, req)

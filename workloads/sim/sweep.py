@@ -28,15 +28,14 @@ def sweep(args: argparse.Namespace, profile: Profile, engines: int, base: Flying
     kind = args.arrival or "poisson"
     head = ["rate req/s", *policies]
     lines = [f"SIMULATED goodput (req/s within {slos}) [SLO attainment %] against rate; "
-             f"profile {profile.name}, {engines} engines; trace {source}, re-timed {kind}"
-             + ("; WHAT-IF: the policy told the KV pool" if args.what_if_kv_pool else ""),
+             f"profile {profile.name}, {engines} engines; trace {source}, re-timed {kind}",
              "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for rate in rates:
         timed = retime(trace, ArrivalProcess(kind, rate, burstiness=args.burstiness), args.seed)
         cells = [f"{rate:g}"]
         for name in policies:
             res = simulate(timed, profile, engines, policy_settings(name, base), name=name,
-                           log=False, what_if_pool=args.what_if_kv_pool)
+                           log=False)
             span = throughput_stats(res.records)["makespan_s"]
             good = goodput_stats(res.records, slos, span) or {}
             cells.append(f"{good.get('request_goodput', 0):.2f} "

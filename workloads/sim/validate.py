@@ -52,8 +52,9 @@ def trace_of(records: Sequence[RequestRecord]) -> list[TraceRequest]:
 
 
 def measured_profile(run_dir: Path, decision_log: str | None, kv_heads: int) -> Profile:
-    """The log's profile (its pool size from the status document where there is one:
-    the log's node holds ``min(context, KV pool)``), else the status document's."""
+    """The log's profile (its pool size from the status document where there is one: a
+    log written before the controller knew the pool holds ``min(context, KV pool)``),
+    else the status document's."""
     log = Path(decision_log) if decision_log else run_dir / "flying" / "decisions.jsonl"
     status = run_dir / "flying" / "status.json"
     if log.is_file():
