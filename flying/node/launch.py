@@ -258,11 +258,6 @@ def main(argv: list[str] | None = None) -> None:
     store, os.environ[STORE_ENV] = host_store()
     set_hosted_store(store)
     logger.info("Flying TP degrees: %s", cfg.tp_degrees)
-    if cfg.degree_list() and not _has_flag(sglang_argv, "--disable-overlap-schedule"):
-        # TP sessions run SGLang's batch steps synchronously at a step boundary; the
-        # overlap loop would leave a DP batch's results pending across the session.
-        logger.info("Flying TP enabled: adding --disable-overlap-schedule")
-        sglang_argv.append("--disable-overlap-schedule")
 
     from sglang.srt.plugins import load_plugins
 

@@ -44,6 +44,7 @@ from flying.session.faults import FaultSwitch, step_delays
 from flying.session.group import DP, GroupSession, Mode, State
 from flying.session.lifecycle import Lifecycle
 from flying.session.messages import Bind
+from flying.session.overlap import PendingResult
 from flying.session.step_costs import StepClock, sample_of
 from flying.substrate.comm_pool import CommPool
 
@@ -91,6 +92,8 @@ class FlyingEngine(Lifecycle, Drain):
         self.aborts = AbortBook()
         self.faults = FaultSwitch(pool.store if pool else None, dp_rank)
         self._merged_for = ""  # the bind that waited one DP step (``_merge_first``)
+        #: SGLang's overlap loop: the pending result, processed before a state change
+        self.result = PendingResult()
         self._status_at = 0.0
         self._published_busy = False
 
@@ -132,6 +135,7 @@ class FlyingEngine(Lifecycle, Drain):
         returns the input SGLang should process, binds taken out."""
         s = self.session
         if s is not None and s.scope.entered:
+            self.result.process(scheduler)  # the group step's, in its TP state
             if s.failure is not None:
                 self._contain(scheduler, s, s.failure)
             else:
@@ -156,8 +160,11 @@ class FlyingEngine(Lifecycle, Drain):
         """SGLang's ``get_next_batch_to_run`` for this step (the engine is in DP state);
         the interval to the next boundary is this step's measured cost."""
         started = self.clock.boundary()
+        if self.session is not None or self.pending:  # the state may change here
+            self.result.process(scheduler)
         self.watch.check(scheduler)
         plan = self._next_batch(scheduler, original)
+        self.result.formed(scheduler)
         s = self.session
         if s is not None and s.scope.entered:
             degree, interleaved = s.bind.degree, bool(s.shared.dp_waiting)

@@ -267,7 +267,8 @@ def _place(scheduler, pool, reqs: list, lens: list[int], block: torch.Tensor, sl
     rehome(scheduler, reqs, lens, slots)
     batch = ScheduleBatch.init_new(
         reqs, scheduler.req_to_token_pool, scheduler.token_to_kv_pool_allocator, scheduler.tree_cache,
-        scheduler.model_config, False, scheduler.spec_algorithm,
+        scheduler.model_config, bool(getattr(scheduler, "enable_overlap", False)),
+        scheduler.spec_algorithm,
     )
     rows = [r.kv.req_pool_idx for r in reqs]
     device = batch.device

@@ -34,6 +34,9 @@ def publish(store, dp_rank: int, engine, scheduler=None) -> None:
         "degrees": sorted(engine.pool.members) if engine.pool else [],
         "pending_binds": len(engine.pending),
         "draining": engine.draining,
+        # SGLang's default loop (``event_loop_overlap``) or its normal one
+        # (``--disable-overlap-schedule``): sessions run under both (``overlap``)
+        "overlap_loop": bool(getattr(scheduler, "enable_overlap", False)),
         "decode_ms": engine.clock.decode_ms(),  # measured single-request decode step, per degree
         "curves": engine.clock.curves(),  # measured decode / prefill points, per degree
         **asdict(engine.counters),
