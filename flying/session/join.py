@@ -75,10 +75,16 @@ class Joining:
 
 
 def eligible(req, seq_len: int) -> bool:
-    """A running DP request that can continue in a group: decoding, nothing DP-only."""
+    """A running DP request that can continue in a group now: decoding, its KV what its
+    tokens so far need (``seq_len``: no step of it in flight), nothing DP-only."""
+    return joinable(req) and req.kv.kv_allocated_len == seq_len
+
+
+def joinable(req) -> bool:
+    """A running DP request whose features all run in a group (it may have a step in
+    flight: under SGLang's overlap loop a boundary sees the last step's result pending)."""
     return (
         not req.finished()
-        and req.kv.kv_allocated_len == seq_len
         and len(req.output_ids) > 0
         and req.grammar is None
         and not getattr(req, "custom_logit_processor", None)

@@ -97,7 +97,7 @@ class Watch:
 
 def _due(req) -> bool:
     left = req.sampling_params.max_new_tokens - len(req.output_ids)
-    return 0 < left <= AHEAD and join.eligible(req, move.kv_len(req))
+    return 0 < left <= AHEAD and join.joinable(req)
 
 
 def gather(engine, scheduler, bind: Bind, member, faults=None) -> join.Joining | None:
