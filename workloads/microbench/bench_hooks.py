@@ -1,0 +1,151 @@
+"""What Flying's hooks cost on SGLang's loop: the engines' CPU time in Flying's code.
+
+One server at a time (``--dp-size 2``, SGLang's default overlap loop), each under the
+same steady DP load (``--concurrency`` clients sending greedy requests back to back):
+Flying's defaults, then the same server with groups off (``--flying-tp-degrees none``).
+While the load runs, ``py-spy`` samples every engine (scheduler) process; each sample
+is attributed to the innermost frame of the project or of SGLang on its stack (time in
+torch, the standard library or a C extension counts for the code that called it), so
+"Flying" is the CPU time of Flying's own hooks and of what they call, "SGLang" the rest
+of the engine loop (scheduling, the forward pass, output processing).
+
+Prints Flying's share of the engines' sampled time: under a steady decode load an
+engine is stepping all the time, so this is Flying's share of a step (target: <= 1 %
+of a decode step). Not a test: the numbers depend on the machine; the share is what to
+compare.
+
+    python -m workloads.bench_hooks [--model-path DIR] [--seconds 20] [--concurrency 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import random
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import psutil
+
+from workloads.measure.server import Server
+
+#: Path fragments of the frames that are Flying's and SGLang's own.
+FLYING = ("/flying/", "/sglang_patches/")
+SGLANG = ("/sglang/",)
+
+
+def _post(url: str, payload: dict) -> None:
+    req = urllib.request.Request(url, data=json.dumps(payload).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as resp:
+        resp.read()
+
+
+def _load(url: str, stop: threading.Event, concurrency: int, new_tokens: int) -> list[int]:
+    """Clients sending greedy requests back to back until ``stop``; returns the count
+    each sent."""
+    sent = [0] * concurrency
+
+    def client(i: int) -> None:
+        rng = random.Random(i)
+        while not stop.is_set():
+            ids = [rng.randrange(3, 500) for _ in range(64)]
+            _post(url + "/generate", {"input_ids": ids, "sampling_params": {
+                "max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}})
+            sent[i] += 1
+
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(concurrency)]
+    for t in threads:
+        t.start()
+    return sent
+
+
+def engine_pids(server: Server) -> list[int]:
+    """The server's SGLang scheduler (engine) processes."""
+    kids = psutil.Process(server.proc.pid).children(recursive=True)
+    return [p.pid for p in kids if "scheduler" in " ".join(p.cmdline() + [p.name()]).lower()]
+
+
+def owner(frames: list[str]) -> str:
+    """"flying", "sglang" or "other": whose code a sample's stack (outermost first)
+    was running, by its innermost project or SGLang frame."""
+    for frame in reversed(frames):
+        if any(f in frame for f in FLYING):
+            return "flying"
+        if any(f in frame for f in SGLANG):
+            return "sglang"
+    return "other"
+
+
+def attribute(raw: str) -> collections.Counter:
+    """Samples per owner from py-spy's ``--format raw`` output (collapsed stacks: the
+    frames separated by ';', then the count)."""
+    counts: collections.Counter = collections.Counter()
+    for line in raw.splitlines():
+        stack, _, n = line.rpartition(" ")
+        if stack and n.isdigit():
+            counts[owner(stack.split(";"))] += int(n)
+    return counts
+
+
+def _sample(pid: int, seconds: int, out: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [str(Path(sys.executable).with_name("py-spy")), "record", "--pid", str(pid),
+         "--duration", str(seconds), "--rate", "250", "--format", "raw", "--nonblocking",
+         "--output", str(out)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+
+
+def measure(name: str, args: list[str], opts, out_dir: Path) -> dict:
+    server = Server(args, out_dir / f"{name}.log")
+    try:
+        server.wait_ready()
+        stop = threading.Event()
+        sent = _load(server.url, stop, opts.concurrency, opts.new_tokens)
+        time.sleep(3)  # the batch fills
+        samplers = [(pid, out_dir / f"{name}-{pid}.txt") for pid in engine_pids(server)]
+        procs = [_sample(pid, opts.seconds, path) for pid, path in samplers]
+        for p in procs:
+            p.wait(timeout=opts.seconds + 60)
+        stop.set()
+        counts: collections.Counter = collections.Counter()
+        for _, path in samplers:
+            if path.exists():
+                counts += attribute(path.read_text())
+        total = sum(counts.values()) or 1
+        return {"system": name, "engines": len(samplers), "samples": total,
+                "flying_share": counts["flying"] / total, "sglang_share": counts["sglang"] / total,
+                "requests": sum(sent)}
+    finally:
+        server.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model-path", default=None, help="checkpoint (default: the demo model)")
+    ap.add_argument("--seconds", type=int, default=20, help="sampling window per server")
+    ap.add_argument("--concurrency", type=int, default=4, help="clients sending back to back")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--out", default="results/bench_hooks", help="directory for logs and samples")
+    opts = ap.parse_args(argv)
+    out_dir = Path(opts.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    base = ["--dp-size", "2"] + (["--model-path", opts.model_path] if opts.model_path else [])
+    rows = [measure("flying", base, opts, out_dir),
+            measure("groups-off", [*base, "--flying-tp-degrees", "none"], opts, out_dir)]
+    print("| server | engines sampled | samples | Flying's code | SGLang's code | requests |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['system']} | {r['engines']} | {r['samples']} | {100 * r['flying_share']:.2f} % "
+              f"| {100 * r['sglang_share']:.2f} % | {r['requests']} |")
+    (out_dir / "result.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
