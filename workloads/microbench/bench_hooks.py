@@ -55,8 +55,11 @@ def _load(url: str, stop: threading.Event, concurrency: int, new_tokens: int) ->
         rng = random.Random(i)
         while not stop.is_set():
             ids = [rng.randrange(3, 500) for _ in range(64)]
-            _post(url + "/generate", {"input_ids": ids, "sampling_params": {
-                "max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}})
+            try:
+                _post(url + "/generate", {"input_ids": ids, "sampling_params": {
+                    "max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}})
+            except OSError:  # the server is stopping: the load is over
+                return
             sent[i] += 1
 
     threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(concurrency)]
@@ -97,7 +100,7 @@ def _sample(pid: int, seconds: int, out: Path) -> subprocess.Popen:
     return subprocess.Popen(
         [str(Path(sys.executable).with_name("py-spy")), "record", "--pid", str(pid),
          "--duration", str(seconds), "--rate", "250", "--format", "raw", "--nonblocking",
-         "--output", str(out)],
+         "--full-filenames", "--output", str(out)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
 
