@@ -123,16 +123,28 @@ class LayoutChooser:
         e2e = p.ttft_ms + output * p.tpot_ms
         return e2e * (1 + self.latency_gain) if lay.groups else e2e
 
-    def _best(self, preds: dict[Layout, Prediction], output: float) -> Layout:
+    def _best(self, preds: dict[Layout, Prediction], output: float,
+              costs: Costs | None = None) -> Layout:
         """The highest goodput; among ties a layout that keeps up with the rate before
         one that does not, then the lowest latency; where every tie is saturated (an
         overload: goodput ~0 everywhere, and the latency of a saturated layout says
-        little), the one that serves the most clears its queue soonest."""
+        little), the one that serves the most clears its queue soonest.
+
+        Latency picks a layout with groups only where the group's measured decode step
+        is ``latency_gain`` faster than one engine's (``Costs.gain``, the rule priority
+        requests follow): a group about as fast per step as one engine wins a predicted
+        latency tie by its prefill alone, and then, sharing the cores with the node's
+        other processes under load, streams slower than the DP engines would have
+        (measured: TPOT 1.5x groups-off on the demo model at 6 req/s)."""
         top = max(p.goodput for p in preds.values())
         equal = [lay for lay, p in preds.items() if p.goodput >= top * (1 - GOODPUT_TIE)]
         keeping_up = [lay for lay in equal if not preds[lay].saturated]
         if not keeping_up:
             return max(equal, key=lambda lay: (preds[lay].throughput, -lay.groups))
+        if costs is not None:
+            fast = [lay for lay in keeping_up if not lay.groups
+                    or (costs.gain(lay.tp_degree) or -1.0) >= self.latency_gain]
+            keeping_up = fast or keeping_up
         return min(keeping_up, key=lambda lay: (self._latency(lay, preds[lay], output), lay.groups))
 
     def choose(self, now: float, costs: Costs, traffic: Traffic, running: int, queued: int,
@@ -151,7 +163,7 @@ class LayoutChooser:
             self.current, self.since = self.candidates[0], now
             return Choice(self.current, "goodput: a mode is unmeasured; DP", briefs)
         output = traffic.output or 128.0
-        best = self._best(preds, output)
+        best = self._best(preds, output, costs)
         cur, new = preds[self.current], preds[best]
         if best == self.current:
             return Choice(self.current, f"goodput: {cur.layout} predicted best", briefs)

@@ -183,6 +183,27 @@ def test_a_group_slower_than_one_engine_is_never_formed():
     assert {name for _, name in trace} == {"2xDP"}
 
 
+def test_a_group_not_faster_per_step_never_wins_on_latency_by_its_prefill():
+    """The demo model's calibration: the TP-2 decode step 8 % faster than one engine's
+    (noise: it is about as fast), its prefill twice as fast. Predicted end-to-end
+    latency favours the group even with the 10 % charge; per step it does not pay, and
+    the node stays in DP (measured: the group streamed 1.5x slower under load)."""
+    costs = Costs.from_json({"decode_ms": {"1": 2.2456, "2": 2.075}, "curves": {
+        "1": {"decode": [[1.0, 2.2456], [4.0, 3.4285]],
+              "prefill": [[5.58, 5.1474], [127.5, 19.1155], [381.0, 45.245]]},
+        "2": {"decode": [[1.0, 2.075], [3.0, 6.6609], [4.0, 3.1543]],
+              "prefill": [[384.0, 21.6994]]}}})
+    assert costs.gain(2) < 0.10
+    chooser = LayoutChooser(2, (2,), 10.0, 0.10, 16384)
+    traffic = Traffic(0, 1.0, 1.0, 222, 32, n_short=1, n_long=1)  # the node's first request
+    slo = derive_slo(PolicyConfig(), costs, (2,), 222)
+    preds = chooser.predict_all(costs, traffic, 0, slo)
+    dp, tp = Layout((1, 1)), Layout((2,))
+    assert chooser._best(preds, 32) == tp  # by latency alone the group would win
+    choice = chooser.choose(100.0, costs, traffic, 0, 0, slo, SwitchCosts())
+    assert choice.layout == dp, choice.reason
+
+
 def test_a_switch_costing_more_than_it_gains_is_not_taken():
     dear = SwitchCosts(bind_ms=2.0, move_ms_per_ktok=1e6)  # moving KV: ~forever
     trace = _run(TP_LIGHT, BURSTY, switch=dear)
