@@ -46,6 +46,9 @@ DWELL_S = 5.0
 EVALUATE_S = 0.25
 #: The lowest edge of the rate's uncertainty band, as a share of the rate.
 MIN_BAND = 0.01
+#: Light load: a rate at most this share of a layout's capacity. Only then may latency
+#: pick a layout with groups over an equal goodput without them.
+LIGHT = 0.5
 
 
 def _sig2(x: float) -> float:
@@ -101,6 +104,11 @@ class LayoutChooser:
                 out[layout] = p
         return out
 
+    def capacity(self, layout: Layout) -> float:
+        """The layout's capacity (req/s) for the costs and sizes of the last prediction
+        (``predict_all`` fills the per-degree cache; 0 if a degree is not in it)."""
+        return sum(self._caps.get(d, 0.0) for d in layout.servers)
+
     def _robust_gain(self, best: Layout, costs: Costs, traffic: Traffic, queued: float,
                      slo: Slo) -> float:
         """The least goodput gain of ``best`` over the current layout across the rate
@@ -124,7 +132,7 @@ class LayoutChooser:
         return e2e * (1 + self.latency_gain) if lay.groups else e2e
 
     def _best(self, preds: dict[Layout, Prediction], output: float,
-              costs: Costs | None = None) -> Layout:
+              costs: Costs | None = None, rate: float = 0.0) -> Layout:
         """The highest goodput; among ties a layout that keeps up with the rate before
         one that does not, then the lowest latency; where every tie is saturated (an
         overload: goodput ~0 everywhere, and the latency of a saturated layout says
@@ -135,15 +143,20 @@ class LayoutChooser:
         requests follow): a group about as fast per step as one engine wins a predicted
         latency tie by its prefill alone, and then, sharing the cores with the node's
         other processes under load, streams slower than the DP engines would have
-        (measured: TPOT 1.5x groups-off on the demo model at 6 req/s)."""
+        (measured: TPOT 1.5x groups-off on the demo model at 6 req/s). And only at light
+        load (the rate at most ``LIGHT`` of the layout's capacity): near saturation a
+        latency tie flips with each mode's measured costs, and every flip moves the
+        running requests (measured on the hidden-1024 model at 1.5 req/s: a switch every
+        5-25 s, ITL p95 2x groups-off)."""
         top = max(p.goodput for p in preds.values())
         equal = [lay for lay, p in preds.items() if p.goodput >= top * (1 - GOODPUT_TIE)]
         keeping_up = [lay for lay in equal if not preds[lay].saturated]
         if not keeping_up:
             return max(equal, key=lambda lay: (preds[lay].throughput, -lay.groups))
         if costs is not None:
-            fast = [lay for lay in keeping_up if not lay.groups
-                    or (costs.gain(lay.tp_degree) or -1.0) >= self.latency_gain]
+            fast = [lay for lay in keeping_up if not lay.groups or (
+                (costs.gain(lay.tp_degree) or -1.0) >= self.latency_gain
+                and rate <= LIGHT * self.capacity(lay))]
             keeping_up = fast or keeping_up
         return min(keeping_up, key=lambda lay: (self._latency(lay, preds[lay], output), lay.groups))
 
@@ -163,7 +176,7 @@ class LayoutChooser:
             self.current, self.since = self.candidates[0], now
             return Choice(self.current, "goodput: a mode is unmeasured; DP", briefs)
         output = traffic.output or 128.0
-        best = self._best(preds, output, costs)
+        best = self._best(preds, output, costs, traffic.rate)
         cur, new = preds[self.current], preds[best]
         if best == self.current:
             return Choice(self.current, f"goodput: {cur.layout} predicted best", briefs)

@@ -172,10 +172,14 @@ class PolicyConfig:
         return self
 
 
-#: Derived SLOs: this many times the quiet service of the faster layout (the issue's
-#: benchmark definition: TTFT <= 4x the quiet TTFT, TPOT <= 1.5x the quiet TPOT), for
-#: the traffic's mean prompt, at least SLO_PROMPT tokens (a TTFT target sized for short
-#: prompts is one no layout meets for long ones: every goodput 0, the choice blind).
+#: Derived SLOs: this many times one engine's quiet service (the benchmarks'
+#: definition: TTFT <= 4x the quiet TTFT, TPOT <= 1.5x the quiet TPOT), for the traffic's
+#: mean prompt, at least SLO_PROMPT tokens. One engine's, not the fastest mode's: what
+#: a plain SGLang DP replica gives a request alone is a target every layout can meet
+#: below saturation, so goodput tells layouts apart under load (a target from a faster
+#: group's batch-1 step is one nothing meets under load: every goodput 0, the choice
+#: left to tie-breaks); and a TTFT target for short prompts no layout meets for long
+#: ones, hence the traffic's prompt.
 SLO_TTFT_X, SLO_TPOT_X, SLO_PROMPT = 4.0, 1.5, 256
 
 
@@ -183,14 +187,19 @@ def derive_slo(
     config: PolicyConfig, costs: Costs | None, degrees: tuple[int, ...], prompt: float = 0.0
 ) -> Slo | None:
     """The node's SLOs: the configured ones, each unset one derived from the quiet
-    service (one request alone, of ``prompt`` tokens, at least ``SLO_PROMPT``) of the
-    fastest mode measured; None if a needed one cannot be derived yet (no costs)."""
+    service (one request alone, of ``prompt`` tokens, at least ``SLO_PROMPT``) of one
+    engine (of the fastest mode measured while one engine's is not); None if a needed
+    one cannot be derived yet (no costs)."""
     size = max(float(SLO_PROMPT), prompt)
-    quiets = [q for d in (1, *degrees) if costs is not None
-              and (q := quiet(costs, d, size)) is not None]
-    if quiets:
-        ttft = config.slo_ttft_ms or SLO_TTFT_X * min(q[0] for q in quiets)
-        tpot = config.slo_tpot_ms or SLO_TPOT_X * min(q[1] for q in quiets)
+    q = None
+    if costs is not None:
+        q = quiet(costs, 1, size)
+        if q is None:
+            quiets = [x for d in degrees if (x := quiet(costs, d, size)) is not None]
+            q = (min(x[0] for x in quiets), min(x[1] for x in quiets)) if quiets else None
+    if q is not None:
+        ttft = config.slo_ttft_ms or SLO_TTFT_X * q[0]
+        tpot = config.slo_tpot_ms or SLO_TPOT_X * q[1]
         return Slo(round(ttft, 1), round(tpot, 2))
     if config.slo_ttft_ms and config.slo_tpot_ms:
         return Slo(config.slo_ttft_ms, config.slo_tpot_ms)

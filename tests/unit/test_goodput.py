@@ -159,7 +159,9 @@ def test_a_group_faster_at_every_load_is_kept_through_a_burst():
 def test_the_first_arrival_takes_the_layout_that_meets_the_slo():
     """Behind one arrival the rate's band reaches 0 req/s, where every layout's
     goodput is 0; a group that meets the SLOs where DP misses them is still better."""
-    policy = Policy(PolicyConfig("adaptive").validate(), NODE)
+    # a TPOT target the group's 25 ms step meets and one engine's 40 ms step does not
+    policy = Policy(PolicyConfig("adaptive", slo_ttft_ms=1000.0, slo_tpot_ms=30.0).validate(),
+                    NODE)
     arrivals = Arrivals()
     arrivals.note(100.0, 24, 12)
     traffic = arrivals.traffic(100.0)
@@ -204,6 +206,24 @@ def test_a_group_not_faster_per_step_never_wins_on_latency_by_its_prefill():
     assert choice.layout == dp, choice.reason
 
 
+def test_latency_picks_a_group_at_light_load_only():
+    """A group faster at every batch size wins a goodput tie on latency while the rate
+    is at most half its capacity; near saturation (both layouts keep up, both miss the
+    TPOT target) the tie stays with DP: there a latency tie flips with each measured
+    cost, and each flip moves the running requests."""
+    chooser = LayoutChooser(2, (2,), 10.0, 0.10, 4096)
+    slo = derive_slo(PolicyConfig(), TP_ALWAYS, (2,), 128)
+    dp, tp = Layout((1, 1)), Layout((2,))
+    light = chooser.predict_all(TP_ALWAYS, Traffic(0, 1.0, 1.0, 128, 64, 30, 100), 0, slo)
+    assert light[dp].goodput == pytest.approx(light[tp].goodput, rel=0.01)
+    assert chooser._best(light, 64, TP_ALWAYS, 1.0) == tp
+    busy = chooser.predict_all(TP_ALWAYS, Traffic(0, 6.0, 6.0, 128, 64, 30, 100), 0, slo)
+    assert not busy[dp].saturated and not busy[tp].saturated
+    assert busy[dp].goodput == pytest.approx(busy[tp].goodput, abs=0.01) and 6.0 > 0.5 * chooser.capacity(tp)
+    assert chooser._best(busy, 64, TP_ALWAYS, 6.0) == dp
+    assert chooser._best(busy, 64) == tp  # latency alone would take the group
+
+
 def test_a_switch_costing_more_than_it_gains_is_not_taken():
     dear = SwitchCosts(bind_ms=2.0, move_ms_per_ktok=1e6)  # moving KV: ~forever
     trace = _run(TP_LIGHT, BURSTY, switch=dear)
@@ -226,12 +246,17 @@ def test_a_steady_rate_near_the_crossover_does_not_flap(seed):
     assert all(b - a >= 5.0 for a, b in zip(changes, changes[1:], strict=False)), changes
 
 
-def test_slo_derived_from_the_quiet_service_unless_configured():
+def test_slo_derived_from_one_engines_quiet_service_unless_configured():
+    """One engine's (a plain SGLang replica's) quiet service, not the faster group's:
+    a target every layout meets below saturation, so goodput tells them apart."""
     slo = derive_slo(PolicyConfig(), TP_ALWAYS, (2,))
-    quiet_ttft = TP_ALWAYS.prefill(2, 256) + TP_ALWAYS.decode(2, 1) / 2
-    assert slo == Slo(round(4 * quiet_ttft, 1), round(1.5 * TP_ALWAYS.decode(2, 1), 2))
+    quiet_ttft = TP_ALWAYS.prefill(1, 256) + TP_ALWAYS.decode(1, 1) / 2
+    assert slo == Slo(round(4 * quiet_ttft, 1), round(1.5 * TP_ALWAYS.decode(1, 1), 2))
+    assert TP_ALWAYS.decode(2, 1) < TP_ALWAYS.decode(1, 1)  # not the faster mode's
     assert derive_slo(PolicyConfig(slo_ttft_ms=900.0), TP_ALWAYS, (2,)).ttft_ms == 900.0
     assert derive_slo(PolicyConfig(), None, (2,)) is None
+    only_tp = Costs({2: 25.0}, {2: Curve.of([(1, 25.0)], [(128, 10.0)])})
+    assert derive_slo(PolicyConfig(), only_tp, (2,)).tpot_ms == 37.5  # DP unmeasured yet
 
 
 def test_the_derived_ttft_slo_scales_with_the_traffics_prompts():
@@ -241,7 +266,7 @@ def test_the_derived_ttft_slo_scales_with_the_traffics_prompts():
     short = derive_slo(PolicyConfig(), TP_ALWAYS, (2,), prompt=100)
     assert short == derive_slo(PolicyConfig(), TP_ALWAYS, (2,))
     long = derive_slo(PolicyConfig(), TP_ALWAYS, (2,), prompt=4000)
-    quiet_ttft = TP_ALWAYS.prefill(2, 4000) + TP_ALWAYS.decode(2, 1) / 2
+    quiet_ttft = TP_ALWAYS.prefill(1, 4000) + TP_ALWAYS.decode(1, 1) / 2
     assert long.ttft_ms == round(4 * quiet_ttft, 1) > short.ttft_ms
     assert long.tpot_ms == short.tpot_ms
     assert derive_slo(PolicyConfig(slo_ttft_ms=900.0), TP_ALWAYS, (2,), 4000).ttft_ms == 900.0
