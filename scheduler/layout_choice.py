@@ -5,10 +5,12 @@ the rate the node is about to serve (``scheduler.traffic``) with the queue it ha
 keeps or changes its layout:
 
 - the best layout is the one with the highest predicted goodput; layouts within
-  ``GOODPUT_TIE`` of it count as equal, and among equals the lowest predicted
-  end-to-end latency (TTFT + output x TPOT) wins, but a layout with groups only where
-  it is faster by ``latency_gain`` (the ``--flying-tp-gain`` margin: a group that is
-  barely faster does not earn back forming it);
+  ``GOODPUT_TIE`` of it count as equal, and among equals one that keeps up with the
+  rate, then the lowest predicted end-to-end latency (TTFT + output x TPOT) wins, but
+  a layout with groups only where it is faster by ``latency_gain`` (the
+  ``--flying-tp-gain`` margin: a group that is barely faster does not earn back
+  forming it), its decode step is that much faster than one engine's, and the load is
+  light (``LIGHT``); where every equal layout is saturated, the one serving the most;
 - it switches only when the gain over the expected phase outlasts the switch: a
   goodput gain ``dG`` (req/s) over ``horizon_s`` seconds must exceed the requests the
   switch delays (those running and those arriving during it) weighted by the share of
@@ -18,8 +20,9 @@ keeps or changes its layout:
   goodput across the rate estimate's uncertainty (at the rate, and one standard
   error below and above it: a Poisson stream's 30 s window varies by +-15 % at 1.5
   req/s; at the band's edges the gain in the share within SLO counts, so behind one
-  arrival a layout that meets the SLOs where the current one misses them wins), a change for latency must not lose goodput, and a layout is kept at least
-  ``DWELL_S`` seconds, so a steady rate near the crossover does not flap;
+  arrival a layout that meets the SLOs where the current one misses them wins), a
+  change for latency must not lose goodput, and a layout is kept at least ``DWELL_S``
+  seconds, so a steady rate near the crossover does not flap;
 - the layouts are evaluated at most every ``EVALUATE_S`` (requests in between take
   the current layout), with each degree's capacity cached for the costs and the
   request sizes (two significant digits), so a decision costs microseconds.
