@@ -10,12 +10,14 @@ its cost while other processes share the cores). Here those points become curves
 - ``prefill(degree, tokens)``: ms of one extend step of ``tokens`` new tokens.
 
 Both are piecewise linear through the measured points, made non-decreasing (below the
-first point: its value; beyond the last: the last segment's slope). Beyond a TP mode's
-last point (one point: everywhere above it) the mode grows as DP's curve does, scaled
-to pass through its own last point (the start-up calibration measures every mode at a
-few sizes; traffic fills in the rest, DP first since it runs most): the ratio of a TP
-step to a DP step at the same work is what is known there, and a flat extension would
-make a mode measured at small batches look free to batch without bound.
+first point: its value; beyond the last: the last segment's slope). Outside a TP mode's
+measured points (beyond its last, below its first; one point: everywhere but there) the
+mode grows as DP's curve does, scaled to pass through its own nearest point (the
+start-up calibration measures every mode at a few sizes; traffic fills in the rest, DP
+first since it runs most): the ratio of a TP step to a DP step at the same work is what
+is known there, and a flat extension would make a mode measured at small batches look
+free to batch without bound, or one measured at a long prefill charge its time for
+every short prompt.
 
 Pure: no torch, no sockets. ``Costs.decode_ms`` (single-request decode per degree)
 is kept as it was: the test "is a group faster per step" for latency-first requests.
@@ -123,9 +125,13 @@ class Costs:
 
     def _value(self, degree: int, kind: str, x: float) -> float | None:
         own, dp = _monotone(self._own(degree, kind)), _monotone(self._own(1, kind))
-        if own and degree != 1 and len(dp) >= 2 and x > own[-1][0]:
-            # beyond its last point a mode grows as DP does (one point: DP's shape)
-            x0, y0 = own[-1]
+        if own and degree != 1 and len(dp) >= 2 and not own[0][0] <= x <= own[-1][0]:
+            # outside its measured points a mode grows as DP does, scaled at its nearest
+            # point (one point: DP's shape through it). Not flat: a group measured only
+            # at the calibration's 384-token prefill would otherwise charge 384 tokens'
+            # time for a 100-token prompt (the hidden-1024 model: 520 ms predicted, 135
+            # measured), and never look faster than DP for the first token.
+            x0, y0 = own[-1] if x > own[-1][0] else own[0]
             return interpolate(dp, x) * y0 / interpolate(dp, x0)
         if own:
             return interpolate(own, x)

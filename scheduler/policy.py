@@ -91,6 +91,10 @@ class Request:
     #: A feature of the request that runs in DP only (e.g. "constrained decoding
     #: (regex)"); "" = none.
     dp_only: str = ""
+    #: The request's own SLOs in ms (0: none; the node's apply), from its headers or
+    #: body (``flying.node.request_slo``).
+    slo_ttft_ms: float = 0.0
+    slo_tpot_ms: float = 0.0
 
     @property
     def tokens(self) -> int:
@@ -295,6 +299,10 @@ class Policy:
                 "dp", 1, f"priority: {why}; ran in DP"
             )
         policy = self.config.policy
+        if policy == "adaptive" and largest > 1 and (req.slo_ttft_ms or req.slo_tpot_ms):
+            own = self._by_own_slo(req, loads, costs)
+            if own is not None:
+                return own
         if policy == "static-tp" and largest > 1:
             return Decision("tp", largest, "static-tp")
         if policy == "adaptive" and largest > 1 and loads is not None and traffic is not None:
@@ -337,6 +345,43 @@ class Policy:
         if degree > 1:
             return Decision("tp", degree, choice.reason)
         return Decision("dp", 1, choice.reason)
+
+    def _by_own_slo(
+        self, req: Request, loads: list[EngineLoad] | None, costs: Costs | None
+    ) -> Decision | None:
+        """A request with SLOs of its own that one engine would miss and a group meets
+        runs in the smallest such group; None: the node's layout decides (DP meets
+        them, no group does, or no costs: the HTTP process leaves it to the controller).
+
+        One engine's service is predicted at its current batch (the least-loaded
+        engine's running requests plus this one): a DP request shares its engine's
+        steps. A group's is its quiet service (a request alone): the group is formed
+        for this request, and a TP step on 2 cores or 8 GPUs grows with batch the way
+        one engine's does, so an SLO a quiet group misses is missed under load too."""
+        if costs is None:
+            return None
+
+        def meets(ttft: float, tpot: float) -> bool:
+            return (not req.slo_ttft_ms or ttft <= req.slo_ttft_ms) and (
+                not req.slo_tpot_ms or tpot <= req.slo_tpot_ms
+            )
+
+        alone = quiet(costs, 1, req.prompt_len)
+        if alone is None:
+            return None
+        batch = 1 + min((e.running for e in loads), default=0) if loads else 1
+        dp_tpot = costs.decode(1, batch) or alone[1]
+        if meets(alone[0] + (dp_tpot - alone[1]) / 2.0, dp_tpot):
+            return None
+        for degree in self.node.degrees:
+            group = quiet(costs, degree, req.prompt_len)
+            if group is not None and req.tokens <= self.node.capacity(degree) and meets(*group):
+                return Decision(
+                    "tp", degree,
+                    f"request SLO: one engine {dp_tpot:.1f} ms/token, TP-{degree} "
+                    f"{group[1]:.1f} ms/token, first token {group[0]:.0f} ms",
+                )
+        return None
 
     def upgrade(self, holder: int) -> Decision:
         """Where a running DP request goes that outgrows engine ``holder``: it has no

@@ -208,7 +208,7 @@ _HELP = {
     "phase_s": "Seconds a traffic phase is expected to last: a layout change must gain more over it than it costs.",
     "decision_log": "File the controller and engines append decisions and layout changes to (JSON lines, for python -m scheduler.replay).",
     "experimental_cuda_groups": "Allow TP groups on CUDA engines (unverified; off by default).",
-    "client_priority": "trust: clients set priority (X-Priority, body priority); ignore: both dropped.",
+    "client_priority": "trust: clients set priority (X-Priority, body priority) and their own SLOs (X-Flying-SLO-TTFT-Ms, X-Flying-SLO-TPOT-Ms, custom_params); ignore: all dropped.",
     "client_tp": "trust: clients may force a TP group with X-Flying-TP; ignore: the header is dropped.",
     "priority_max_paused": "Most DP requests a priority group may pause (-1: no bound); beyond it: DP.",
     "node_name": "Node name in meta_info.flying.node and the X-Flying-Node header (default <host>:<port>).",

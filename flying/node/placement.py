@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from flying.node import request_slo
 from flying.node.config import get_config
 from flying.session.budget import (  # noqa: F401 (re-exported for callers)
     ADMISSION_SLACK,
@@ -116,12 +117,20 @@ def max_new_tokens(sampling_params) -> int | None:
 def request_of(
     prompt_len: int, sampling_params, priority, explicit_degree: int, dp_only: str = ""
 ) -> Request:
+    """The policy's view of one request (the DP controller's: the HTTP process has
+    already refused a bad SLO value with a 400; one that slips through counts as none)."""
+    try:
+        ttft, tpot = request_slo.of(sampling_params)
+    except ValueError:
+        ttft, tpot = 0.0, 0.0
     return Request(
         prompt_len=prompt_len,
         max_new_tokens=max_new_tokens(sampling_params),
         priority=int(priority or 0),
         explicit_degree=explicit_degree,
         dp_only=dp_only,
+        slo_ttft_ms=ttft,
+        slo_tpot_ms=tpot,
     )
 
 

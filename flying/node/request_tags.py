@@ -10,6 +10,9 @@ is the client's error: a ``ValueError`` whose message SGLang returns as HTTP 400
   both are dropped (SGLang's default priority applies; SGLang's own
   ``x-override-priority``, only read when SGLANG_ENABLE_REQUEST_HEADER_OVERRIDES is set
   for a trusted router, is kept).
+- A request's own SLOs (``X-Flying-SLO-TTFT-Ms`` / ``X-Flying-SLO-TPOT-Ms``, or the
+  body's ``custom_params``: ``flying.node.request_slo``) follow the priority setting:
+  kept under ``trust`` (the header wins), dropped under ``ignore``.
 - Routing keys (the body ``routing_key`` on /generate, SGLang's ``x-smg-routing-key``
   header on the OpenAI endpoints): strings of at most 1024 characters without control
   characters, and never with Flying's reserved prefix ``flying:``.
@@ -24,9 +27,9 @@ from __future__ import annotations
 import logging
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from flying.node import probe
+from flying.node import probe, request_slo
 from flying.node.config import get_config
 from flying.session.messages import check_routing_key, mark, read_mark
 from flying.session.report import REPORT_KEY
@@ -49,6 +52,8 @@ class Controls:
 
     degree: int = 0  # from X-Flying-TP; 0 = none (1 = "DP", the same)
     priority: int | None = None  # from X-Priority; None = not given
+    #: from X-Flying-SLO-TTFT-Ms / -TPOT-Ms, as custom_params entries (request_slo)
+    slo: dict[str, float] = field(default_factory=dict)
 
 
 def _values(headers, name: str) -> list[str]:
@@ -74,8 +79,9 @@ def check_headers(headers) -> Controls:
 
     cfg = get_config()
     check_routing_key(_one(headers, ROUTING_KEY_HEADER), "x-smg-routing-key header")
-    priority = None
+    priority, slo = None, {}
     if cfg.client_priority == "trust":
+        slo = request_slo.from_headers(lambda name: _one(headers, name))
         value = _one(headers, PRIORITY_HEADER)
         if value is not None:
             try:
@@ -87,10 +93,10 @@ def check_headers(headers) -> Controls:
         value = _one(headers, TP_HEADER)
         if value is not None:
             degree = _parse_degree(value, cfg.degree_list() or [])
-    return Controls(degree, priority)
+    return Controls(degree, priority, slo)
 
 
-_CHECKED_HEADERS = (TP_HEADER, PRIORITY_HEADER, ROUTING_KEY_HEADER)
+_CHECKED_HEADERS = (TP_HEADER, PRIORITY_HEADER, ROUTING_KEY_HEADER, *request_slo.HEADERS)
 
 
 class HeaderCheck:
@@ -161,10 +167,14 @@ def tag_request(obj, headers) -> None:
     if cfg.client_priority == "ignore":
         if not _trusted_override(headers):
             obj.priority = None
+        request_slo.strip(getattr(obj, "sampling_params", None))
     else:
         _check_body_priority(getattr(obj, "priority", None))
         if controls.priority is not None:
             obj.priority = controls.priority
+        if _is_generation(obj):
+            request_slo.check(obj.sampling_params)
+            obj.sampling_params = request_slo.apply(obj.sampling_params, controls.slo)
     key = getattr(obj, "routing_key", None)
     check_routing_key(key, "routing_key")
     if controls.degree:
@@ -213,7 +223,8 @@ def place(obj, input_ids, manager) -> None:
     if manager.max_req_input_len is None or not cfg.degree_list():
         return
     policy = _policy(manager)
-    req = Request(len(input_ids), new, int(obj.priority or 0), explicit, feature)
+    ttft, tpot = request_slo.of(obj.sampling_params)
+    req = Request(len(input_ids), new, int(obj.priority or 0), explicit, feature, ttft, tpot)
     decision = policy.decide(req, loads=None)
     if decision.mode == "reject":
         raise ValueError(decision.reason)

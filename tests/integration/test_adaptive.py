@@ -129,3 +129,45 @@ def test_a_faster_group_is_kept_through_a_burst(fast_group_server, demo_model_di
     for batch in (1, 4):
         assert costs.decode(2, batch) < costs.decode(1, batch), peak["costs"]
     assert replay.main([str(fast_group_server.decisions)]) == 0
+
+
+def _decode_ms(server, degree: str) -> float:
+    doc = requests.get(server.url + "/flying/status", timeout=30).json()
+    return max(e["decode_ms"][degree] for e in doc["engines"])
+
+
+def test_a_request_slo_only_a_group_meets_runs_in_the_group(
+    fast_group_server, adaptive_server, demo_model_dir
+):
+    """A request's own TPOT SLO (header on /generate, ``custom_params`` on the OpenAI
+    endpoint, as a router forwards it) between the group's step and one engine's runs in
+    the TP-2 group for that reason; where the group is the slower one it runs in DP.
+    Tokens equal transformers'; the decision log holds the request's SLO."""
+    slo = (_decode_ms(fast_group_server, "1") + _decode_ms(fast_group_server, "2")) / 2
+    ids = prompts(1, 16, seed=31)[0]
+    before = len(_decisions(fast_group_server))
+    body = fast_group_server.generate_ids(
+        ids, NEW_TOKENS, headers={"X-Flying-SLO-TPOT-Ms": f"{slo:.1f}"})
+    assert body["output_ids"] == greedy_tokens(demo_model_dir, ids, NEW_TOKENS)
+    assert body["meta_info"]["flying"]["mode"] == "tp", body["meta_info"]
+    resp = fast_group_server.post("/v1/completions", {
+        "prompt": ids, "max_tokens": 4, "temperature": 0,
+        "custom_params": {"flying_slo_tpot_ms": slo}})
+    assert resp.status_code == 200, resp.text
+    lines = _decisions(fast_group_server)[before:]
+    assert len(lines) == 2
+    for line in lines:
+        assert line["request"]["slo_tpot_ms"] == pytest.approx(slo, abs=0.05), line
+        assert line["decision"]["mode"] == "tp", line
+        assert line["decision"]["reason"].startswith("request SLO"), line["decision"]
+    assert replay.main([str(fast_group_server.decisions)]) == 0
+
+    slow = adaptive_server.generate_ids(ids, NEW_TOKENS, headers={"X-Flying-SLO-TPOT-Ms": "0.5"})
+    assert slow["meta_info"]["flying"]["mode"] == "dp"
+    assert slow["output_ids"] == greedy_tokens(demo_model_dir, ids, NEW_TOKENS)
+    bad = adaptive_server.post("/generate", {"input_ids": ids, "sampling_params": {
+        "max_new_tokens": 2, "custom_params": {"flying_slo_ttft_ms": "soon"}}})
+    assert bad.status_code == 400 and "flying_slo_ttft_ms" in bad.text, bad.text
+    bad = adaptive_server.post("/v1/completions", {"prompt": "hi", "max_tokens": 2},
+                               headers={"X-Flying-SLO-TTFT-Ms": "-1"})
+    assert bad.status_code == 400 and "x-flying-slo-ttft-ms" in bad.text, bad.text

@@ -67,6 +67,21 @@ def test_a_mode_measured_at_one_point_borrows_dp_shape():
     assert costs.decode(4, 1) is None and not costs.known(4)
 
 
+def test_a_prefill_measured_only_long_scales_down_with_dp_shape():
+    """The start-up calibration measures a group's prefill at one long size (384
+    tokens): a short prompt costs the group DP's time for it at the measured ratio, not
+    the 384-token time (the hidden-1024 model: 388 ms charged for 133 tokens, where the
+    group took ~135)."""
+    costs = Costs({1: 20.0, 2: 16.0}, {
+        1: Curve.of([(1, 20)], [(6, 29), (100, 182), (381, 777)]),
+        2: Curve.of([(1, 16)], [(384, 389)]),
+    })
+    ratio = 389 / costs.prefill(1, 384)
+    assert costs.prefill(2, 100) == pytest.approx(182 * ratio)
+    assert costs.prefill(2, 384) == pytest.approx(389)
+    assert costs.prefill(2, 100) < costs.prefill(1, 100)
+
+
 def test_noisy_points_never_make_a_bigger_step_cheaper_nor_batching_free():
     """Measured on a busy machine: the TP-2 step at batch 4 below the one at batch 3.
     The curve stays non-decreasing, and beyond its last point TP grows as DP does

@@ -6,6 +6,7 @@ import itertools
 
 import pytest
 
+from scheduler.costs import Curve
 from scheduler.policy import (
     Costs,
     Decision,
@@ -202,3 +203,36 @@ def test_adaptive_without_loads_leaves_the_load_rule_to_the_controller():
     assert p.decide(Request(10, 10, priority=1)).mode == "tp"
     assert p.decide(Request(1500, 10)).mode == "tp"
     assert p.light  # no load was observed
+
+
+#: curves where a TP-2 step is 40 % faster than one engine's, and one engine's step
+#: grows with its batch (ms per decode step: 10 at batch 1, 20 at batch 8)
+CURVES = Costs(
+    {1: 10.0, 2: 6.0},
+    {1: Curve.of([(1, 10.0), (8, 20.0)], [(100, 20.0), (1000, 200.0)]),
+     2: Curve.of([(1, 6.0), (8, 12.0)], [(100, 12.0), (1000, 120.0)])},
+)
+
+
+def test_a_request_slo_one_engine_misses_and_a_group_meets_runs_in_the_group():
+    p = Policy(PolicyConfig("adaptive").validate(), Node(2, (2,), 4000))
+    tight = Request(100, 32, slo_tpot_ms=8.0)
+    d = p.decide(tight, loads(0, 0), CURVES)
+    assert (d.mode, d.degree) == ("tp", 2) and d.reason.startswith("request SLO")
+    # one engine meets it: the node's layout decides, not the request's SLO
+    assert not p.decide(Request(100, 32, slo_tpot_ms=15.0), loads(0, 0),
+                        CURVES).reason.startswith("request SLO")
+    # ...until that engine is busy: at batch 8 its step is 20 ms
+    assert p.decide(Request(100, 32, slo_tpot_ms=15.0), loads(7, 7), CURVES).degree == 2
+    # no layout meets it: no group for it (busy engines: the load rule says DP too)
+    assert p.decide(Request(100, 32, slo_tpot_ms=2.0), loads(7, 7), CURVES).mode == "dp"
+    # a first-token target only the group's faster prefill meets
+    assert p.decide(Request(1000, 8, slo_ttft_ms=150.0), loads(0, 0), CURVES).degree == 2
+    # the HTTP process (no costs) leaves it to the controller; other policies ignore it
+    assert p.decide(tight, None, None).mode == "dp"  # (the HTTP process's call)
+    static = Policy(PolicyConfig("static-dp").validate(), Node(2, (2,), 4000))
+    assert static.decide(tight, loads(0, 0), CURVES).mode == "dp"
+    # a DP-only feature or a slower group never gets a group for its SLO
+    assert p.decide(Request(100, 32, dp_only="x", slo_tpot_ms=8.0), loads(0, 0),
+                    CURVES).mode == "dp"
+    assert p.decide(tight, loads(0, 0), Costs({1: 10.0, 2: 12.0})).mode == "dp"

@@ -198,6 +198,45 @@ def test_tag_request_ignores_client_priority(cfg, monkeypatch):
     assert obj.priority == 9
 
 
+def test_request_slo_from_header_or_body_header_wins(cfg):
+    obj = _gen(sampling_params={"max_new_tokens": 4,
+                                "custom_params": {"flying_slo_ttft_ms": 900, "other": 1}})
+    request_tags.tag_request(obj, {"x-flying-slo-tpot-ms": " 25.5 "})
+    assert obj.sampling_params["custom_params"] == {
+        "flying_slo_ttft_ms": 900, "other": 1, "flying_slo_tpot_ms": 25.5}
+    obj = _gen(sampling_params={"custom_params": {"flying_slo_tpot_ms": 80}})
+    request_tags.tag_request(obj, {"x-flying-slo-tpot-ms": "20"})
+    assert placement.request_of(3, obj.sampling_params, 0, 0).slo_tpot_ms == 20.0
+    obj = _gen(sampling_params=None)  # no body parameters: the header makes them
+    request_tags.tag_request(obj, {"x-flying-slo-ttft-ms": "300"})
+    assert obj.sampling_params == {"custom_params": {"flying_slo_ttft_ms": 300.0}}
+    batch = _gen(text=["a", "b"], sampling_params=[{}, {"custom_params": None}])
+    request_tags.tag_request(batch, {"x-flying-slo-ttft-ms": "300"})
+    assert [p["custom_params"] for p in batch.sampling_params] == [
+        {"flying_slo_ttft_ms": 300.0}] * 2
+
+
+@pytest.mark.parametrize("value", ["fast", "0", "-5", "nan", "inf", "1e12", ""])
+def test_bad_request_slo_is_a_400_with_a_reason(cfg, value):
+    with pytest.raises(ValueError, match="x-flying-slo-ttft-ms"):
+        request_tags.check_headers({"x-flying-slo-ttft-ms": value})
+
+
+@pytest.mark.parametrize("value", ["fast", 0, -5, True, [1], {"a": 1}, float("nan")])
+def test_bad_body_slo_is_a_400_with_a_reason(cfg, value):
+    obj = _gen(sampling_params={"custom_params": {"flying_slo_tpot_ms": value}})
+    with pytest.raises(ValueError, match="custom_params.flying_slo_tpot_ms"):
+        request_tags.tag_request(obj, {})
+
+
+def test_client_slos_dropped_when_client_priority_ignored(cfg):
+    cfg(client_priority="ignore")
+    obj = _gen(sampling_params={"custom_params": {"flying_slo_tpot_ms": "bad", "k": 1}})
+    request_tags.tag_request(obj, {"x-flying-slo-tpot-ms": "also bad"})
+    assert obj.sampling_params["custom_params"] == {"k": 1}
+    assert placement.request_of(3, obj.sampling_params, 0, 0).slo_tpot_ms == 0.0
+
+
 def test_tp_header_on_embedding_request_refused(cfg):
     from sglang.srt.managers.io_struct import EmbeddingReqInput
 
