@@ -251,3 +251,20 @@ def test_sample_cpu_preset_matches_cpu_small_budget():
     assert all(len(r.input_ids or []) == r.prompt_len for r in trace)
     assert 79 / trace[-1].arrival_s == pytest.approx(1.5)
     assert not math.isnan(trace[-1].arrival_s)
+
+
+def test_a_rate_without_an_arrival_process_is_refused_not_ignored():
+    """``--preset cpu-poisson --rate 0.5`` once replayed the preset's own 1.5 req/s."""
+    import argparse
+
+    from workloads.load.cli import add_trace_args, trace_from_args
+
+    parser = argparse.ArgumentParser()
+    add_trace_args(parser)
+    with pytest.raises(SystemExit, match="--rate needs --arrival"):
+        trace_from_args(parser.parse_args(["--preset", "cpu-poisson", "--rate", "0.5"]))
+    args = parser.parse_args(["--preset", "cpu-poisson", "--arrival", "poisson", "--rate", "0.5",
+                              "--limit", "40"])
+    trace, _ = trace_from_args(args)
+    span = trace[-1].arrival_s - trace[0].arrival_s
+    assert 40 <= span <= 160  # 40 requests at 0.5 req/s: ~80 s

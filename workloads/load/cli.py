@@ -54,6 +54,9 @@ def slos_from_args(args: argparse.Namespace) -> dict[str, float]:
 def arrival_from_args(args: argparse.Namespace) -> ArrivalProcess | None:
     """The ``--arrival`` process, or None to keep the trace's own arrivals."""
     if not args.arrival:
+        if getattr(args, "rate", None) is not None:  # a rate alone would be ignored
+            raise SystemExit("error: --rate needs --arrival (e.g. --arrival poisson --rate 2) "
+                             "to re-time the trace; without it the trace keeps its arrivals")
         return None
     if args.rate is None:
         raise SystemExit("error: --arrival needs --rate")

@@ -112,7 +112,8 @@ def measure(name: str, args: list[str], opts, out_dir: Path) -> dict:
         stop = threading.Event()
         sent = _load(server.url, stop, opts.concurrency, opts.new_tokens)
         time.sleep(3)  # the batch fills
-        samplers = [(pid, out_dir / f"{name}-{pid}.txt") for pid in engine_pids(server)]
+        pids = engine_pids(server) if opts.process == "engines" else [server.proc.pid]
+        samplers = [(pid, out_dir / f"{name}-{pid}.txt") for pid in pids]
         procs = [_sample(pid, opts.seconds, path) for pid, path in samplers]
         for p in procs:
             p.wait(timeout=opts.seconds + 60)
@@ -122,7 +123,8 @@ def measure(name: str, args: list[str], opts, out_dir: Path) -> dict:
             if path.exists():
                 counts += attribute(path.read_text())
         total = sum(counts.values()) or 1
-        return {"system": name, "engines": len(samplers), "samples": total,
+        return {"system": name, "process": opts.process, "processes": len(samplers),
+                "samples": total,
                 "flying_share": counts["flying"] / total, "sglang_share": counts["sglang"] / total,
                 "requests": sum(sent)}
     finally:
@@ -135,6 +137,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seconds", type=int, default=20, help="sampling window per server")
     ap.add_argument("--concurrency", type=int, default=4, help="clients sending back to back")
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--process", choices=("engines", "http"), default="engines",
+                    help="sample the engines (schedulers) or the HTTP process (tokenizer "
+                    "manager: where Flying's per-output hook runs)")
     ap.add_argument("--out", default="results/bench_hooks", help="directory for logs and samples")
     opts = ap.parse_args(argv)
     out_dir = Path(opts.out)
@@ -142,10 +147,11 @@ def main(argv: list[str] | None = None) -> None:
     base = ["--dp-size", "2"] + (["--model-path", opts.model_path] if opts.model_path else [])
     rows = [measure("flying", base, opts, out_dir),
             measure("groups-off", [*base, "--flying-tp-degrees", "none"], opts, out_dir)]
-    print("| server | engines sampled | samples | Flying's code | SGLang's code | requests |")
+    print("| server | process sampled | samples | Flying's code | SGLang's code | requests |")
     print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['system']} | {r['engines']} | {r['samples']} | {100 * r['flying_share']:.2f} % "
+        print(f"| {r['system']} | {r['process']} ({r['processes']}) | {r['samples']} "
+              f"| {100 * r['flying_share']:.2f} % "
               f"| {100 * r['sglang_share']:.2f} % | {r['requests']} |")
     (out_dir / "result.json").write_text(json.dumps(rows, indent=1))
 
