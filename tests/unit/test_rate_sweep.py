@@ -1,0 +1,53 @@
+"""Goodput against rate over comparison runs, and the policy's prediction error."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from workloads.measure.records import RequestRecord, save_records
+from workloads.reports.rate_sweep import main, sweep
+from workloads.reports.targets import RUNS
+
+pytestmark = pytest.mark.unit
+
+
+def _run_dir(root, rate: float, ttft: dict[str, float], chosen: str = "2xDP"):
+    """A compare directory: 10 requests at ``rate`` req/s, each system's TTFT as given
+    (s), TPOT 10 ms, 5 tokens; Flying's decision log predicting 0.5 req/s for 2xDP."""
+    out = root / f"rate-{rate}"
+    for name in RUNS:
+        (out / name).mkdir(parents=True)
+        recs = [RequestRecord(i, i / rate, 8, 5, send_s=i / rate, ttft_s=ttft[name],
+                              tpot_s=0.01, e2e_s=ttft[name] + 0.04, output_tokens=5,
+                              success=True) for i in range(10)]
+        save_records(recs, out / name / "records.jsonl")
+    head = {"config": {}, "node": {}}
+    line = {"predictions": {"2xDP": {"goodput": 0.5}, "1xTP2": {"goodput": 0.25}},
+            "decision": {"mode": "dp" if chosen == "2xDP" else "tp", "degree": 1 if
+                         chosen == "2xDP" else 2, "reason": "x"},
+            "slo": {"ttft_ms": 150.0, "tpot_ms": 20.0}}
+    (out / "flying" / "decisions.jsonl").write_text(
+        "\n".join(json.dumps(x) for x in (head, line, line)) + "\n")
+    return out
+
+
+def test_goodput_per_rate_with_one_set_of_slos_and_the_prediction_error(tmp_path, capsys):
+    slow = {"static-dp": 0.1, "static-tp": 0.05, "flying": 0.05}
+    fast = {"static-dp": 0.1, "static-tp": 0.3, "flying": 0.1}
+    dirs = [_run_dir(tmp_path, 2.0, fast), _run_dir(tmp_path, 1.0, slow, chosen="1xTP2")]
+    runs, slos = sweep(dirs, None)
+    assert [r["rate"] for r in runs] == [1.0, 2.0]  # sorted by the offered rate
+    # SLOs from static TP at the lowest rate: 4 x 50 ms, 1.5 x 10 ms
+    assert slos == pytest.approx((200.0, 15.0))
+    span = 9 / 1.0 + 0.14  # first send to last end (TTFT 0.1 + 4 tokens)
+    assert runs[0]["goodput"]["static-dp"] == pytest.approx(10 / span)
+    assert runs[1]["goodput"]["static-tp"] == 0.0  # 300 ms > 200 ms
+    # Flying's prediction: the layout each request was placed in (1xTP2 at rate 1)
+    assert runs[0]["model"]["predicted"] == pytest.approx(0.25)
+    assert runs[1]["model"]["predicted"] == pytest.approx(0.5)
+    main([str(d) for d in dirs] + ["--plot", str(tmp_path / "g.png")])
+    text = capsys.readouterr().out
+    assert "TTFT <= 200 ms" in text and "| 1.00 |" in text
+    assert (tmp_path / "g.png").stat().st_size > 0
