@@ -44,7 +44,7 @@ def flat(dp_ms: float, tp_ms: float, kv: int = 200_000, context: int = 0) -> Pro
 
 
 def test_a_request_alone_costs_its_prefill_then_one_decode_step_per_token():
-    profile = load("cpu-demo")
+    profile = replace(load("cpu-demo"), overlap=False)  # SGLang's normal loop
     costs = profile.costs
     rec = run([TraceRequest(0, 1.0, 100, 20)], profile, 2, "static-dp").records[0]
     assert rec.success and rec.flying["mode"] == "dp"
@@ -52,6 +52,29 @@ def test_a_request_alone_costs_its_prefill_then_one_decode_step_per_token():
     assert rec.tpot_s * 1000 == pytest.approx(costs.decode(1, 1))
     assert rec.e2e_s * 1000 == pytest.approx(costs.prefill(1, 100) + 19 * costs.decode(1, 1))
     assert len(rec.itl_s) == 19 and rec.queue_time_s == 0.0
+
+
+def test_the_overlap_loop_delays_each_token_one_step_not_the_time_between_them():
+    """SGLang's overlap loop on a CPU engine: a step's tokens reach the client when the
+    next step ends, so TTFT (and E2E) grow by one step and TPOT does not; alone, the
+    last token comes with the one before (SGLang leaves a request finishing by length
+    out of the next batch). The frontend adds to TTFT and E2E only."""
+    dp_ms = 5.0
+    busy = [TraceRequest(0, 0.0, 100, 200), TraceRequest(1, 0.0502, 100, 20)]
+    normal = run(busy, replace(flat(dp_ms, 8.0), overlap=False), 1, "static-dp").records[1]
+    overlap = run(busy, flat(dp_ms, 8.0), 1, "static-dp").records[1]
+    assert overlap.ttft_s - normal.ttft_s == pytest.approx(dp_ms / 1000)
+    assert overlap.e2e_s - normal.e2e_s == pytest.approx(dp_ms / 1000)
+    assert overlap.tpot_s == pytest.approx(normal.tpot_s)
+    assert overlap.itl_s == pytest.approx(normal.itl_s)
+    alone = run([TraceRequest(0, 1.0, 100, 20)], flat(dp_ms, 8.0), 1, "static-dp").records[0]
+    assert alone.ttft_s * 1000 == pytest.approx(1.0 + dp_ms)
+    assert alone.e2e_s * 1000 == pytest.approx(1.0 + 19 * dp_ms)
+    assert alone.itl_s == pytest.approx([dp_ms / 1000] * 18 + [0.0])
+    front = run([TraceRequest(0, 1.0, 100, 20)], replace(flat(dp_ms, 8.0), frontend_ms=8.0),
+                1, "static-dp").records[0]
+    assert (front.ttft_s - alone.ttft_s, front.e2e_s - alone.e2e_s) == pytest.approx((8e-3,) * 2)
+    assert front.tpot_s == pytest.approx(alone.tpot_s)
 
 
 def test_a_grouped_request_pays_the_bind_then_the_groups_steps():
@@ -64,7 +87,7 @@ def test_a_grouped_request_pays_the_bind_then_the_groups_steps():
 
 
 def test_a_prompt_longer_than_the_chunk_is_prefilled_in_chunks():
-    profile = load("cpu-demo")
+    profile = replace(load("cpu-demo"), overlap=False)
     chunk = profile.chunk_tokens
     rec = run([TraceRequest(0, 0.0, chunk + 904, 4)], profile, 2, "static-dp").records[0]
     want = profile.costs.prefill(1, chunk) + profile.costs.prefill(1, 904)
@@ -163,7 +186,7 @@ def test_a_request_beyond_one_engines_kv_runs_in_a_group_or_is_rejected():
 
 
 def test_dp_admission_waits_for_kv_in_arrival_order():
-    profile = flat(10.0, 10.0, kv=1000)
+    profile = replace(flat(10.0, 10.0, kv=1000), overlap=False)  # end_s: the KV's release
     # round robin: 0, 2 and 4 on engine 0; 0 holds 800 of its 1000 tokens
     trace = [TraceRequest(0, 0.0, 400, 400), TraceRequest(1, 0.0, 400, 400),
              TraceRequest(2, 0.0, 150, 100), TraceRequest(3, 0.0, 10, 10),

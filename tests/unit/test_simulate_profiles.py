@@ -14,7 +14,13 @@ from workloads.load.presets import build_preset
 from workloads.measure.records import save_records
 from workloads.sim import gpu_profile
 from workloads.sim.cli import main as simulate_main
-from workloads.sim.profile import PROFILES_DIR, from_decision_log, from_status, load
+from workloads.sim.profile import (
+    CPU_FRONTEND_MS,
+    PROFILES_DIR,
+    from_decision_log,
+    from_status,
+    load,
+)
 from workloads.sim.run import policy_settings, simulate
 from workloads.sim.validate import validate
 
@@ -101,7 +107,8 @@ def _compare_dir(tmp_path, profile):
             "static-tp": ("static-tp2", FlyingConfig()), "flying": ("adaptive", FlyingConfig())}
     out = {}
     for system, (name, cfg) in runs.items():
-        res = simulate(trace, profile, 2, policy_settings(name, cfg))
+        res = simulate(trace, profile, 2, policy_settings(name, cfg),
+                       tp_overlap=system == "static-tp")  # SGLang's TP: the overlap loop
         (tmp_path / system).mkdir()
         save_records(res.records, tmp_path / system / "records.jsonl")
         out[system] = res
@@ -114,16 +121,22 @@ def _compare_dir(tmp_path, profile):
 
 def test_validate_reproduces_runs_the_simulator_made_and_reports_errors(tmp_path):
     runs = _compare_dir(tmp_path, _small_kv())
-    report = validate(tmp_path)
+    report = validate(tmp_path, frontend_ms=0.0)
     rows = [line for line in report.splitlines() if line.startswith("| static") or
             line.startswith("| flying")]
     assert len(rows) == 12 and all(row.endswith("| +0.0% |") for row in rows), report
+    # the default frontend (this machine's 8 ms) adds to every simulated TTFT
+    report = validate(tmp_path)
+    row = next(line for line in report.splitlines() if line.startswith("| static-dp")
+               and "TTFT p50" in line)
+    sim, meas = (float(c) for c in row.split("|")[4:6])
+    assert sim - meas == pytest.approx(CPU_FRONTEND_MS, abs=0.01)
     # the measured static DP run was twice as slow to its first token
     records = runs["static-dp"].records
     for rec in records:
         rec.ttft_s *= 2
     save_records(records, tmp_path / "static-dp" / "records.jsonl")
-    report = validate(tmp_path)
+    report = validate(tmp_path, frontend_ms=0.0)
     row = next(line for line in report.splitlines() if line.startswith("| static-dp")
                and "TTFT p50" in line)
     assert row.endswith("| -50.0% |")

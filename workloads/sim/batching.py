@@ -16,6 +16,13 @@ token; each decode step adds one token to every running request; a request ends 
 its ``max_new`` tokens. Step times come from the profile's ``Costs`` (the policy's own
 interpolation): ``prefill(degree, new tokens)`` and ``decode(degree, batch)``.
 
+Under SGLang's overlap loop (``Scheduler.event_loop_overlap``) a step's result is
+processed after the next step has been launched; where the forward runs inside the
+launch (a CPU engine) the step's tokens reach the client when that next step ends, or
+at once where no step follows (SGLang leaves a request whose last token is in flight
+out of the next batch: ``_reqs_finishing_inflight``). ``complete(..., defer=True)``
+holds a step's tokens back and ``reveal`` stamps them with the time they are processed.
+
 KV is the caller's (``admit`` reserves a request's KV or refuses it; ``on_done`` gives
 it back), so the same batching serves an engine (its own pool) and a group (slots
 reserved on every member when its bind was admitted).
@@ -89,6 +96,8 @@ class Batcher:
         self.chunk: SimRequest | None = None  # being chunk-prefilled
         self.prefilling: list[SimRequest] = []  # in the prefill step now running
         self.last_kind = ""
+        #: tokens the overlap loop has not processed yet: (request, index in its times)
+        self.unseen: list[tuple[SimRequest, int]] = []
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.chunk is not None or self.prefilling)
@@ -100,7 +109,14 @@ class Batcher:
         return len(self.running) + pre, len(self.waiting)
 
     def remove(self, req: SimRequest) -> None:
-        """Take ``req`` out wherever it is (an abort, a move); its KV is the caller's."""
+        """Take ``req`` out wherever it is (an abort, a move); its Under SGLang's overlap loop (``Scheduler.event_loop_overlap``) a step's result is
+processed after the next step has been launched; where the forward runs inside the
+launch (a CPU engine) the step's tokens reach the client when that next step ends, or
+at once where no step follows (SGLang leaves a request whose last token is in flight
+out of the next batch: ``_reqs_finishing_inflight``). ``complete(..., defer=True)``
+holds a step's tokens back and ``reveal`` stamps them with the time they are processed.
+
+KV is the caller's."""
         if self.chunk is req:
             self.chunk = None
         if req in self.prefilling:
@@ -141,11 +157,13 @@ class Batcher:
                         self.costs.decode(self.degree, len(self.running)) or 0.0)
         return None
 
-    def complete(self, step: Step, now: float, on_done: Callable[[SimRequest], None]) -> None:
+    def complete(self, step: Step, now: float, on_done: Callable[[SimRequest], None],
+                 defer: bool = False) -> None:
         """Apply ``step`` at its end ``now``: tokens, new running requests, finished ones
         (``on_done`` for each; aborted requests, already done, are skipped). A server
         runs one step at a time, so nothing but an abort changes its requests between
-        ``form`` and ``complete``."""
+        ``form`` and ``complete``. With ``defer`` (the overlap loop) the step's tokens
+        wait for ``reveal``; the requests' state (running, finished, KV) changes now."""
         finished = False
         if step.kind == "prefill":
             self.prefilling = []
@@ -159,7 +177,7 @@ class Batcher:
                 if self.chunk is req:
                     self.chunk = None
                 req.out = 1
-                req.times.append(now)
+                self._token(req, now, defer)
                 if req.out >= req.max_new:
                     on_done(req)
                 else:
@@ -169,9 +187,23 @@ class Batcher:
             if req.done:
                 continue
             req.out += 1
-            req.times.append(now)
+            self._token(req, now, defer)
             if req.out >= req.max_new:
                 finished = True
                 on_done(req)
         if finished:
             self.running = [r for r in self.running if not r.done]
+
+    def _token(self, req: SimRequest, now: float, defer: bool) -> None:
+        req.times.append(now)
+        if defer:
+            self.unseen.append((req, len(req.times) - 1))
+
+    def reveal(self, at: float) -> None:
+        """The overlap loop processes the last step's result at ``at``: the end of the
+        step launched after it, or now where none is (module docstring)."""
+        for req, i in self.unseen:
+            req.times[i] = at
+            if req.done and req.error is None and i == len(req.times) - 1:
+                req.done_at = at
+        self.unseen = []

@@ -53,6 +53,11 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--kv-tokens", type=int, help="KV tokens per engine (a decision log "
                         "says the pool; one written before the controller knew it says "
                         "min(context, KV pool): give the pool where it is larger)")
+    parser.add_argument("--frontend-ms", type=float, help="per-request latency outside "
+                        "the engines, added to every TTFT and E2E (default: the profile's)")
+    parser.add_argument("--overlap", action=argparse.BooleanOptionalAction, help="SGLang's "
+                        "overlap loop holds a step's tokens to the next step's end "
+                        "(default: the profile's; off on the GPU profiles)")
     parser.add_argument("--save-profile", metavar="JSON", help="write the profile used here")
     parser.add_argument("--engines", type=int, help="engines (default: the profile's node)")
     parser.add_argument("--policies", default=DEFAULT_POLICIES,
@@ -75,6 +80,10 @@ def load_profile(args: argparse.Namespace) -> profiles.Profile:
         profile = profiles.from_status(args.profile_from_status, kv_heads=args.kv_heads)
     else:
         profile = profiles.load(args.profile or "cpu-demo")
+    if args.frontend_ms is not None:
+        profile = replace(profile, frontend_ms=args.frontend_ms)
+    if args.overlap is not None:
+        profile = replace(profile, overlap=args.overlap)
     return replace(profile, kv_tokens=args.kv_tokens) if args.kv_tokens else profile
 
 
@@ -120,7 +129,9 @@ def table(results: Sequence[SimResult], summaries: Sequence[Summary]) -> str:
 def describe(profile: profiles.Profile, engines: int, slos: dict[str, float]) -> str:
     return (f"SIMULATED (workloads.simulate), not measured: profile `{profile.name}` "
             f"({profile.kind}: {profile.source}), {engines} engines, KV "
-            f"{profile.kv_tokens} tokens/engine; goodput SLOs "
+            f"{profile.kv_tokens} tokens/engine, overlap loop "
+            f"{'on' if profile.overlap else 'off'}, frontend {profile.frontend_ms:g} ms; "
+            "goodput SLOs "
             + ", ".join(f"{k} <= {v:g} ms" for k, v in slos.items()))
 
 

@@ -214,6 +214,13 @@ def build(name: str, gpu: Gpu, model: Model, a: Assumed = Assumed()) -> Profile:
                                    "(arg_groups/memory_hook.py: H100, H200)"},
         "max_running_requests": {"value": max_running, "source": "SGLang 0.5.23 "
                                  "resolve_max_num_reqs: KV / context x 512 within [2048, 4096]"},
+        "overlap": {"value": False, "source": "SGLang's overlap loop launches step N+1 on "
+                    "the forward stream and processes step N's result when its copy is "
+                    "done, during step N+1: a token is not held one step (the delay of CPU "
+                    "engines, whose forward runs inside the launch)"},
+        "frontend_ms": {"value": 0.0, "assumption": True, "source": "unknown: HTTP, "
+                        "tokenization, dispatch, detokenization and streaming on a GPU "
+                        "node's host are not modelled (8-9 ms on the 2-core CPU machine)"},
         **{k: {"value": v, "assumption": True, "source": ASSUMED_WHY[k]}
            for k, v in asdict(a).items()},
     }
@@ -221,7 +228,8 @@ def build(name: str, gpu: Gpu, model: Model, a: Assumed = Assumed()) -> Profile:
         name=name, costs=costs, switch=SwitchCosts(a.bind_ms, round(move, 4)),
         kv_tokens=kv_tokens, degrees=degrees, max_engines=engines,
         context_len=model.context, kv_heads=model.kv_heads, heads=model.heads,
-        chunk_tokens=CHUNK, max_running=max_running, kind="first-principles",
+        chunk_tokens=CHUNK, max_running=max_running, overlap=False, frontend_ms=0.0,
+        kind="first-principles",
         source=f"workloads.sim.gpu_profile: {model.name} bf16 on {engines} engines of {g} "
                f"{gpu.name} ({NODE_GPUS} GPUs)",
         constants=constants,

@@ -26,6 +26,12 @@ What the real node does with a decision, as ``flying.session`` does it:
   between group steps and move nothing. The members learn the marks in the step
   exchange, so a session acts on them one group step later (``Shared.dp_arrived``).
 
+SGLang's overlap loop (``Profile.overlap``): a DP step outside sessions hands its
+tokens to the client when the engine's next step ends (``Batcher.reveal``); at a
+boundary in a session or with a bind pending the engine processes the result at once
+(``flying.session.overlap``), and a group's steps run as in the normal loop, except
+with ``tp_overlap`` (SGLang's own ``--tp-size``, which ``validate`` simulates as a group).
+
 Invariants (``check``, asserted by the deadlock test): an engine is in at most one
 session, a session's members are an aligned group and all point to it, KV counts never
 go negative, and no two engines wait on each other's binds.
@@ -33,7 +39,6 @@ go negative, and no two engines wait on each other's binds.
 
 from __future__ import annotations
 
-import heapq
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,28 +46,8 @@ from dataclasses import dataclass, field
 from scheduler.layout_choice import SwitchCosts
 from workloads.sim import relayout
 from workloads.sim.batching import Batcher, SimRequest, Step
+from workloads.sim.loop import Loop, assert_no_wait_cycle
 from workloads.sim.profile import Profile
-
-
-class Loop:
-    """Events in time order (ties: in the order they were scheduled)."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-        self._heap: list = []
-        self._seq = 0
-
-    def at(self, t: float, fn: Callable, *args) -> None:
-        heapq.heappush(self._heap, (t, self._seq, fn, args))
-        self._seq += 1
-
-    def run(self, after: Callable[[], None] | None = None) -> None:
-        while self._heap:
-            t, _, fn, args = heapq.heappop(self._heap)
-            self.now = t
-            fn(*args)
-            if after is not None:
-                after()
 
 
 @dataclass(eq=False)
@@ -142,8 +127,9 @@ class SimNode:
     def __init__(self, engines: int, profile: Profile, loop: Loop, move_to_dp: str = "policy",
                  bind_timeout_s: float = 30.0, on_done: Callable[[SimRequest], None] = lambda r: None,
                  on_layout: Callable[[float, list[int]], None] = lambda t, d: None,
-                 log: Callable[[dict], None] | None = None):
+                 log: Callable[[dict], None] | None = None, tp_overlap: bool = False):
         self.profile = profile
+        self.tp_overlap = tp_overlap and profile.overlap
         self.engines = [Engine(r, profile) for r in range(engines)]
         self.loop = loop
         self.move_to_dp = move_to_dp
@@ -205,6 +191,8 @@ class SimNode:
 
     def boundary(self, e: Engine) -> None:
         s = e.session
+        if s is not None or e.pending:  # the pending result is processed now
+            e.dp.reveal(self.loop.now)
         if s is not None:
             # DP state between group steps (the bind's own boundary does not count):
             # a DP request waiting here arrived during the session
@@ -229,6 +217,7 @@ class SimNode:
 
     def _dp_step(self, e: Engine) -> bool:
         step = e.dp.form(self.loop.now, lambda r: self._admit_dp(e, r))
+        e.dp.reveal(self.loop.now + (step.ms / 1000.0 if step else 0.0))
         if step is None:
             return False
         e.state = "dp"
@@ -243,7 +232,8 @@ class SimNode:
         return True
 
     def _dp_done(self, e: Engine, step: Step) -> None:
-        e.dp.complete(step, self.loop.now, lambda r: self._done_dp(e, r))
+        e.dp.complete(step, self.loop.now, lambda r: self._done_dp(e, r),
+                      defer=self.profile.overlap and e.session is None)
         e.state = "free"
         self.boundary(e)
 
@@ -321,6 +311,7 @@ class SimNode:
             self.release(s, 0.0)
             return
         ms = step.ms + s.extra_ms
+        s.server.reveal(self.loop.now + ms / 1000.0)
         s.extra_ms = 0.0
         s.tp_steps += 1
         for m in s.members:
@@ -328,7 +319,8 @@ class SimNode:
         self.loop.at(self.loop.now + ms / 1000.0, self._group_done, s, step)
 
     def _group_done(self, s: Session, step: Step) -> None:
-        s.server.complete(step, self.loop.now, lambda r: self._done_tp(s, r))
+        s.server.complete(step, self.loop.now, lambda r: self._done_tp(s, r),
+                          defer=self.tp_overlap)
         for m in s.members:
             m.state, m.dp_turn = "free", True
         for m in s.members:
@@ -343,6 +335,7 @@ class SimNode:
     def release(self, s: Session, after_ms: float) -> None:
         """End ``s``: its reservations go back; members are free ``after_ms`` later (a
         move's relayout), then at a boundary."""
+        s.server.reveal(self.loop.now)
         for m in s.members:
             m.reserved -= s.reserved
             m.session, m.state, m.dp_turn, m.dp_arrived = None, "move", False, False
@@ -389,27 +382,4 @@ class SimNode:
             assert e.session is None or id(e.session) in live, "an engine in a dead session"
             assert e.reserved == sum(s.reserved for s in self.sessions if e in s.members)
             assert e.dp_used >= 0 and e.reserved >= 0
-        _assert_no_wait_cycle(self.engines)
-
-
-def _assert_no_wait_cycle(engines: list[Engine]) -> None:
-    """No cycle of engines waiting in rendezvous for binds held up by each other."""
-    waits: dict[int, list[int]] = {}
-    for e in engines:
-        if e.state == "rdv":
-            bind = e.pending[0]
-            waits[e.rank] = [r for r in bind.ranks if engines[r].state == "rdv"
-                             and engines[r].pending[0] is not bind]
-    seen: dict[int, int] = {}
-
-    def visit(r: int) -> None:
-        seen[r] = 1
-        for nxt in waits.get(r, ()):
-            assert seen.get(nxt) != 1, f"engines wait on each other's binds: {r} -> {nxt}"
-            if nxt not in seen:
-                visit(nxt)
-        seen[r] = 2
-
-    for r in waits:
-        if r not in seen:
-            visit(r)
+        assert_no_wait_cycle(self.engines)

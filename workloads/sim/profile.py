@@ -17,6 +17,13 @@ Where a profile comes from:
 - first principles: ``workloads.sim.gpu_profile`` writes the GPU profiles shipped in
   ``workloads/sim/profiles/``, each constant with its source.
 
+Two constants outside the engines' steps: ``overlap`` (SGLang's default overlap loop
+on engines whose forward runs inside the launch, as on a CPU: a step's tokens reach
+the client when the next step ends; on a GPU the launch is asynchronous and the result
+is processed during the next step, so the first-principles profiles turn it off) and
+``frontend_ms`` (HTTP, tokenization, the DP controller's dispatch, detokenization and
+streaming, added to every TTFT and E2E; 0 where unknown).
+
 Invariant: ``costs`` knows degree 1 and every degree in ``degrees``; a node simulated
 with more engines than ``max_engines`` may only use those degrees.
 """
@@ -42,6 +49,12 @@ DEFAULT_CHUNK = 8192
 #: SGLang 0.5.23 sizes its request pool at 2048-4096 requests per worker
 #: (``KVCacheConfigurator.resolve_max_num_reqs``); the lower bound where unknown.
 DEFAULT_MAX_RUNNING = 2048
+#: The frontend latency measured on the 2-core CPU machine: a sequential 1-token
+#: /generate of a 100-token prompt on the demo model took 18.3 ms end to end on a
+#: groups-off server, against 9.3-10.1 ms for the engine's prefill of 100 tokens (the
+#: decision logs' prefill curves): 8-9 ms outside the engine, the lower end. Not
+#: fitted to any validation run; ``validate --frontend-ms`` sets another.
+CPU_FRONTEND_MS = 8.0
 
 
 @dataclass(frozen=True)
@@ -60,6 +73,8 @@ class Profile:
     heads: int = 0  # attention heads (0: unknown: every power-of-two degree fits)
     chunk_tokens: int = DEFAULT_CHUNK
     max_running: int = DEFAULT_MAX_RUNNING
+    overlap: bool = True  # a step's tokens reach the client when the next step ends
+    frontend_ms: float = 0.0  # per request outside the engines (0: unknown)
     kind: str = "measured"  # "measured" | "first-principles" | "documented"
     source: str = ""
     constants: dict = field(default_factory=dict)
@@ -106,6 +121,7 @@ class Profile:
             "kv_heads": self.kv_heads, "heads": self.heads,
             "chunked_prefill_tokens": self.chunk_tokens,
             "max_running_requests": self.max_running,
+            "overlap": self.overlap, "frontend_ms": self.frontend_ms,
             "switch": {"bind_ms": self.switch.bind_ms,
                        "move_ms_per_ktok": self.switch.move_ms_per_ktok},
             "costs": self.costs.to_json(),
@@ -131,6 +147,8 @@ class Profile:
             kv_heads=int(doc.get("kv_heads") or 0), heads=int(doc.get("heads") or 0),
             chunk_tokens=int(doc.get("chunked_prefill_tokens") or DEFAULT_CHUNK),
             max_running=int(doc.get("max_running_requests") or DEFAULT_MAX_RUNNING),
+            overlap=bool(doc.get("overlap", True)),
+            frontend_ms=float(doc.get("frontend_ms") or 0.0),
             kind=str(doc.get("kind", "measured")), source=str(doc.get("source", "")),
             constants=dict(doc.get("constants") or {}),
             assumptions=tuple(doc.get("assumptions") or ()),

@@ -28,7 +28,8 @@ from workloads.load.trace import TraceRequest
 from workloads.measure.records import RequestRecord
 from workloads.sim.batching import SimRequest
 from workloads.sim.control import Controller
-from workloads.sim.node import Loop, SimNode
+from workloads.sim.loop import Loop
+from workloads.sim.node import SimNode
 from workloads.sim.profile import Profile
 
 _STATIC_TP = re.compile(r"static-tp(\d+)")
@@ -75,11 +76,13 @@ def simulate(
     trace: Sequence[TraceRequest], profile: Profile, engines: int, cfg: FlyingConfig,
     name: str = "", log: bool = True, events: Iterable[Event] = (),
     explicit: dict[int, int] | None = None,
-    after_event: Callable[[SimNode], None] | None = None,
+    after_event: Callable[[SimNode], None] | None = None, tp_overlap: bool = False,
 ) -> SimResult:
     """Run ``trace`` on a node of ``engines`` under ``cfg``; ``explicit`` gives trace
     indices an ``X-Flying-TP`` degree; ``after_event`` is called after every event
-    (the invariant checks of the tests)."""
+    (the invariant checks of the tests); ``tp_overlap``: group steps run under the
+    overlap loop (SGLang's own TP, not Flying's groups). Every TTFT and E2E gets the
+    profile's ``frontend_ms``."""
     if cfg.preempt != "hard":
         raise ValueError("only --flying-preempt hard is simulated")
     started = time.perf_counter()
@@ -89,7 +92,8 @@ def simulate(
     layout: list[tuple[float, list[int]]] = [(0.0, [1] * engines)]
     node = SimNode(engines, profile, loop, cfg.move_to_dp, cfg.bind_timeout_s,
                    on_layout=lambda t, d: layout.append((t, d)),
-                   log=(lambda doc: lines.append(json.dumps(doc))) if log else None)
+                   log=(lambda doc: lines.append(json.dumps(doc))) if log else None,
+                   tp_overlap=tp_overlap)
     control = Controller(node, profile, cfg, degrees, lines.append if log else None)
     reqs = [_request(r, (explicit or {}).get(r.index, 0)) for r in trace]
     for req in reqs:
@@ -99,7 +103,8 @@ def simulate(
         req = by_index[index]
         loop.at(t, node.abort if kind == "abort" else control.upgrade, req)
     loop.run(None if after_event is None else lambda: after_event(node))
-    records = [_record(r, tr) for r, tr in zip(reqs, trace, strict=True)]
+    frontend = profile.frontend_ms / 1000.0
+    records = [_record(r, tr, frontend) for r, tr in zip(reqs, trace, strict=True)]
     counters = {"decisions": control.decisions, "binds": control._binds, **node.counters}
     return SimResult(name or cfg.policy, degrees, records, lines, layout, counters,
                      time.perf_counter() - started)
@@ -113,8 +118,9 @@ def _request(r: TraceRequest, explicit: int) -> SimRequest:
     )
 
 
-def _record(req: SimRequest, r: TraceRequest) -> RequestRecord:
-    """The record ``workloads.client`` would have written for ``req``."""
+def _record(req: SimRequest, r: TraceRequest, frontend: float = 0.0) -> RequestRecord:
+    """The record ``workloads.client`` would have written for ``req``, ``frontend``
+    seconds outside the engines added to its TTFT and E2E."""
     rec = RequestRecord(index=r.index, arrival_s=r.arrival_s, prompt_len=r.prompt_len,
                         output_len=r.output_len, priority=r.priority, phase=r.phase,
                         send_s=r.arrival_s)
@@ -124,9 +130,9 @@ def _record(req: SimRequest, r: TraceRequest) -> RequestRecord:
     rec.error = req.error if req.done else "not finished"
     rec.http_status = req.status
     if times:
-        rec.ttft_s = times[0] - req.arrival
+        rec.ttft_s = times[0] - req.arrival + frontend
         rec.itl_s = [b - a for a, b in zip(times, times[1:], strict=False)]
-    rec.e2e_s = (req.done_at if req.done_at is not None else req.arrival) - req.arrival
+    rec.e2e_s = (req.done_at if req.done_at is not None else req.arrival) - req.arrival + frontend
     if rec.ttft_s is not None and rec.output_tokens > 1:
         rec.tpot_s = (rec.e2e_s - rec.ttft_s) / (rec.output_tokens - 1)
     rec.finish_reason = "length" if rec.success else None

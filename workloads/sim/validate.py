@@ -12,9 +12,13 @@ simulation's relative error.
 
 Systems: ``static-dp`` (SGLang's DP, groups off) is simulated as ``static-dp`` without
 TP degrees; ``static-tp`` (SGLang's own ``--tp-size N``) as one Flying group of N
-(``static-tpN``: Flying's measured group costs stand for SGLang's TP); ``flying`` as
+(``static-tpN``: Flying's measured group costs stand for SGLang's TP; its steps
+under the overlap loop, as SGLang's are); ``flying`` as
 the policy named in the decision log's head line (adaptive by default), with its
-settings. The error says how far the simulator's assumptions (docs/SIMULATOR.md) are
+settings. The engines run SGLang's overlap loop (a step's tokens reach the client when
+the next step ends, ``--no-overlap`` for a run under ``--disable-overlap-schedule``),
+and every TTFT and E2E gets ``--frontend-ms`` (default ``CPU_FRONTEND_MS``, this CPU
+machine's measured frontend: not fitted to the runs). The error says how far the simulator's assumptions (docs/SIMULATOR.md) are
 from the machine the run measured.
 """
 
@@ -31,7 +35,7 @@ from workloads.load.slos import DEFAULT_SLOS
 from workloads.load.trace import TraceRequest
 from workloads.measure.metrics import Summary, flatten, summarize
 from workloads.measure.records import RequestRecord, load_records
-from workloads.sim.profile import Profile, from_decision_log, from_status
+from workloads.sim.profile import CPU_FRONTEND_MS, Profile, from_decision_log, from_status
 from workloads.sim.run import policy_settings, simulate
 
 SYSTEMS = ("static-dp", "static-tp", "flying")
@@ -109,14 +113,17 @@ def errors(simulated: Summary, measured: Summary) -> list[tuple[str, float | Non
     return out
 
 
-def validate(run_dir: Path, decision_log: str | None = None, kv_heads: int = 0) -> str:
+def validate(run_dir: Path, decision_log: str | None = None, kv_heads: int = 0,
+             frontend_ms: float = CPU_FRONTEND_MS, overlap: bool = True) -> str:
     context_file = run_dir / "context.json"
     context = json.loads(context_file.read_text()) if context_file.is_file() else {}
     slos = context.get("goodput_slos_ms") or dict(DEFAULT_SLOS)
-    profile = measured_profile(run_dir, decision_log, kv_heads)
+    profile = replace(measured_profile(run_dir, decision_log, kv_heads),
+                      frontend_ms=frontend_ms, overlap=overlap)
     engines = int((context.get("machine") or {}).get("engines (N)") or profile.max_engines)
     head = _head(run_dir, decision_log)
     lines = [f"SIMULATED vs MEASURED: {run_dir} ({engines} engines; profile: {profile.source}; "
+             f"overlap loop {'on' if overlap else 'off'}; frontend {frontend_ms:g} ms; "
              f"goodput SLOs {slos})", "",
              "| system | simulated as | metric | simulated | measured | error |",
              "|---|---|---|---|---|---|"]
@@ -127,7 +134,7 @@ def validate(run_dir: Path, decision_log: str | None = None, kv_heads: int = 0) 
         records = load_records(records_file)
         name, cfg = settings(system, engines, head)
         result = simulate(trace_of(records), profile, engines, policy_settings(name, cfg),
-                          name=name, log=False)
+                          name=name, log=False, tp_overlap=system == "static-tp")
         for label, sim, meas, err in errors(summarize(result.records, slos=slos),
                                             summarize(records, slos=slos)):
             cells = [system, name, label, _fmt(sim), _fmt(meas),
@@ -148,8 +155,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "(default RUN_DIR/flying/decisions.jsonl)")
     parser.add_argument("--kv-heads", type=int, default=0,
                         help="the model's KV heads, when the profile comes from status.json")
+    parser.add_argument("--frontend-ms", type=float, default=CPU_FRONTEND_MS,
+                        help="per-request latency outside the engines, added to every "
+                        f"TTFT and E2E (default {CPU_FRONTEND_MS:g}: this CPU machine's)")
+    parser.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
+                        help="SGLang's overlap loop (--no-overlap: the runs used "
+                        "--disable-overlap-schedule)")
     args = parser.parse_args(argv)
-    print(validate(Path(args.run_dir), args.decision_log, args.kv_heads))
+    print(validate(Path(args.run_dir), args.decision_log, args.kv_heads, args.frontend_ms,
+                   args.overlap))
     return 0
 
 
