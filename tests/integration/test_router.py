@@ -186,6 +186,9 @@ def nodes(demo_model_dir, tmp_path_factory) -> Iterator[dict[str, Server]]:
                  # than one engine on the demo model (as in tests/conftest.demo_server)
                  "--flying-tp-gain", "-10", "--flying-node-name", name],
                 logs / f"{name}.log",
+                # group steps 6 ms slower: GroupSession's 800 steps last ~7 s, not ~2.5 s,
+                # so the session outlives smg's 1 s load polls on a busy 2-core machine
+                env={"FLYING_TEST_STEP_DELAY_MS": "2:6"},
             )
         for server in started.values():
             server.wait_ready()
@@ -362,7 +365,8 @@ def test_the_router_drops_flying_request_headers(cluster):
 
 class GroupSession:
     """A long TP-2 request sent to one node directly (not through a router, so a router
-    learns of it only from the node's load): a group session of 800 steps, seconds here."""
+    learns of it only from the node's load): a group session of 800 steps, ~7 s here
+    (the nodes' group steps are slowed by the test-only step delay)."""
 
     def __init__(self, node: Server):
         self.node = node
