@@ -12,6 +12,8 @@ from flying.session.move import allowed
 from flying.substrate import kv_adaptor, kv_relayout
 from flying.substrate.layout import KvSplit
 
+pytestmark = pytest.mark.unit
+
 LAYERS, ROWS, HEADS, DIM = 3, 32, 4, 8
 
 
