@@ -342,6 +342,44 @@ def test_body_priority_takes_effect_on_the_node_that_got_it(cluster):
     assert _ran_in_group(node, before)
 
 
+#: Whether each router hands a request's ``custom_params`` (where a client behind a
+#: router puts its own SLOs, ``flying.node.request_slo``) to the node, per endpoint.
+BODY_SLO_CARRIED = {
+    ("sglang-router", "/generate"): False,
+    ("sglang-router", "/v1/completions"): True,
+    ("sglang-router", "/v1/chat/completions"): False,
+    ("smg", "/generate"): True,
+    ("smg", "/v1/completions"): True,
+    ("smg", "/v1/chat/completions"): True,
+}
+_BAD_SLO = {"flying_slo_tpot_ms": "soon"}
+SLO_BODIES = {
+    "/generate": {"text": "x", "sampling_params": {"max_new_tokens": 2,
+                                                   "custom_params": _BAD_SLO}},
+    "/v1/completions": {"model": MODEL, "prompt": "x", "max_tokens": 2,
+                        "custom_params": _BAD_SLO},
+    "/v1/chat/completions": {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                             "max_tokens": 2, "custom_params": _BAD_SLO},
+}
+
+
+def test_which_router_carries_a_body_slo_to_the_node(cluster):
+    """A request's SLO in the body's ``custom_params`` reaches the node where the router
+    keeps the field: an invalid value is then the node's 400 naming it (so the field
+    arrived); where the router drops it, the request is served (200). Sent to a node
+    directly, every endpoint answers the 400."""
+    carried, expected = {}, {}
+    for path, body in SLO_BODIES.items():
+        resp = requests.post(cluster.router.url + path, json=body, timeout=120)
+        carried[path] = resp.status_code == 400 and "flying_slo_tpot_ms" in resp.text
+        expected[path] = BODY_SLO_CARRIED[cluster.router.kind, path]
+        if not carried[path]:
+            assert resp.status_code == 200, (path, resp.text)
+        direct = cluster.nodes["node-a"].post(path, body)
+        assert direct.status_code == 400 and "flying_slo_tpot_ms" in direct.text, direct.text
+    assert carried == expected, cluster.router.kind
+
+
 def test_the_router_drops_flying_request_headers(cluster):
     """Both routers forward only a fixed set of request headers (authorization,
     x-request-id*, x-correlation-id, traceparent, tracestate, x-smg-routing-key), and smg
