@@ -42,7 +42,8 @@ from dataclasses import dataclass, field
 
 from scheduler.costs import Costs
 from scheduler.layout_choice import Choice, LayoutChooser, SwitchCosts
-from scheduler.service import Slo, quiet
+from scheduler.service import Slo
+from scheduler.slo import derive_slo, group_for_own_slo
 from scheduler.traffic import Traffic
 
 __all__ = ["Costs", "Traffic", "SwitchCosts", "Slo"]
@@ -176,38 +177,6 @@ class PolicyConfig:
         return self
 
 
-#: Derived SLOs: this many times one engine's quiet service (the benchmarks'
-#: definition: TTFT <= 4x the quiet TTFT, TPOT <= 1.5x the quiet TPOT), for the traffic's
-#: mean prompt, at least SLO_PROMPT tokens. One engine's, not the fastest mode's: what
-#: a plain SGLang DP replica gives a request alone is a target every layout can meet
-#: below saturation, so goodput tells layouts apart under load (a target from a faster
-#: group's batch-1 step is one nothing meets under load: every goodput 0, the choice
-#: left to tie-breaks); and a TTFT target for short prompts no layout meets for long
-#: ones, hence the traffic's prompt.
-SLO_TTFT_X, SLO_TPOT_X, SLO_PROMPT = 4.0, 1.5, 256
-
-
-def derive_slo(
-    config: PolicyConfig, costs: Costs | None, degrees: tuple[int, ...], prompt: float = 0.0
-) -> Slo | None:
-    """The node's SLOs: the configured ones, each unset one derived from the quiet
-    service (one request alone, of ``prompt`` tokens, at least ``SLO_PROMPT``) of one
-    engine (of the fastest mode measured while one engine's is not); None if a needed
-    one cannot be derived yet (no costs)."""
-    size = max(float(SLO_PROMPT), prompt)
-    q = None
-    if costs is not None:
-        q = quiet(costs, 1, size)
-        if q is None:
-            quiets = [x for d in degrees if (x := quiet(costs, d, size)) is not None]
-            q = (min(x[0] for x in quiets), min(x[1] for x in quiets)) if quiets else None
-    if q is not None:
-        ttft = config.slo_ttft_ms or SLO_TTFT_X * q[0]
-        tpot = config.slo_tpot_ms or SLO_TPOT_X * q[1]
-        return Slo(round(ttft, 1), round(tpot, 2))
-    if config.slo_ttft_ms and config.slo_tpot_ms:
-        return Slo(config.slo_ttft_ms, config.slo_tpot_ms)
-    return None
 
 
 @dataclass(frozen=True)
@@ -349,39 +318,17 @@ class Policy:
     def _by_own_slo(
         self, req: Request, loads: list[EngineLoad] | None, costs: Costs | None
     ) -> Decision | None:
-        """A request with SLOs of its own that one engine would miss and a group meets
-        runs in the smallest such group; None: the node's layout decides (DP meets
-        them, no group does, or no costs: the HTTP process leaves it to the controller).
-
-        One engine's service is predicted at its current batch (the least-loaded
-        engine's running requests plus this one): a DP request shares its engine's
-        steps. A group's is its quiet service (a request alone): the group is formed
-        for this request, and a TP step on 2 cores or 8 GPUs grows with batch the way
-        one engine's does, so an SLO a quiet group misses is missed under load too."""
+        """The request's own SLOs (``scheduler.slo.group_for_own_slo``); None: the
+        node's layout decides (also without costs: the HTTP process leaves it to the
+        controller)."""
         if costs is None:
             return None
-
-        def meets(ttft: float, tpot: float) -> bool:
-            return (not req.slo_ttft_ms or ttft <= req.slo_ttft_ms) and (
-                not req.slo_tpot_ms or tpot <= req.slo_tpot_ms
-            )
-
-        alone = quiet(costs, 1, req.prompt_len)
-        if alone is None:
-            return None
         batch = 1 + min((e.running for e in loads), default=0) if loads else 1
-        dp_tpot = costs.decode(1, batch) or alone[1]
-        if meets(alone[0] + (dp_tpot - alone[1]) / 2.0, dp_tpot):
-            return None
-        for degree in self.node.degrees:
-            group = quiet(costs, degree, req.prompt_len)
-            if group is not None and req.tokens <= self.node.capacity(degree) and meets(*group):
-                return Decision(
-                    "tp", degree,
-                    f"request SLO: one engine {dp_tpot:.1f} ms/token, TP-{degree} "
-                    f"{group[1]:.1f} ms/token, first token {group[0]:.0f} ms",
-                )
-        return None
+        found = group_for_own_slo(
+            req.slo_ttft_ms, req.slo_tpot_ms, req.prompt_len, costs, self.node.degrees,
+            lambda m: req.tokens <= self.node.capacity(m), batch,
+        )
+        return Decision("tp", found[0], found[1]) if found else None
 
     def upgrade(self, holder: int) -> Decision:
         """Where a running DP request goes that outgrows engine ``holder``: it has no
