@@ -177,8 +177,6 @@ class PolicyConfig:
         return self
 
 
-
-
 @dataclass(frozen=True)
 class Decision:
     mode: str  # "dp" | "tp" | "reject"

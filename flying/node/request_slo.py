@@ -59,11 +59,9 @@ def apply(sampling_params, found: dict[str, float]):
         return sampling_params
     if sampling_params is None:
         return {"custom_params": dict(found)}
-    items = sampling_params if isinstance(sampling_params, list) else [sampling_params]
-    for params in items:
-        if isinstance(params, dict):
-            custom = params.get("custom_params")
-            params["custom_params"] = {**(custom if isinstance(custom, dict) else {}), **found}
+    for params in _items(sampling_params):
+        custom = params.get("custom_params")
+        params["custom_params"] = {**(custom if isinstance(custom, dict) else {}), **found}
     return sampling_params
 
 

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from workloads.measure.records import RequestRecord, load_records
-from workloads.reports.targets import RUNS, _fmt, _stat, _throughput, goodput
+from workloads.reports.targets import RUNS, _fmt, _stat, _throughput, goodput, quiet_slos
 
 
 def offered_rate(records: list[RequestRecord]) -> float:
@@ -69,9 +69,7 @@ def sweep(dirs: Sequence[Path], slos: tuple[float, float] | None) -> tuple[list[
         runs.append({"dir": out, "rate": offered_rate(records["static-dp"]), "records": records})
     runs.sort(key=lambda run: run["rate"])
     if slos is None:
-        tp = runs[0]["records"]["static-tp"]
-        slos = (4.0 * (_stat(tp, lambda r: True, "ttft", 50) or 0.0),
-                1.5 * (_stat(tp, lambda r: True, "tpot", 50) or 0.0))
+        slos = quiet_slos(runs[0]["records"]["static-tp"], None)
     for run in runs:
         recs = run["records"]
         run["goodput"] = {r: goodput(recs[r], *slos) or 0.0 for r in RUNS}

@@ -61,10 +61,14 @@ def _throughput(records: list[RequestRecord]) -> float | None:
     return sum(r.output_tokens for r in records if r.success) / span if span > 0 else None
 
 
-def quiet_slos(records: list[RequestRecord], quiet: str) -> tuple[float, float]:
-    """(TTFT, TPOT) SLOs in ms: 4x and 1.5x the p50 of ``records``' quiet phase."""
-    ttft = _stat(records, lambda r: r.phase == quiet, "ttft", 50)
-    tpot = _stat(records, lambda r: r.phase == quiet, "tpot", 50)
+def quiet_slos(records: list[RequestRecord], quiet: str | None) -> tuple[float, float]:
+    """(TTFT, TPOT) SLOs in ms: 4x and 1.5x the p50 of ``records``' quiet phase (None:
+    of every record, for a trace without phases)."""
+    def pick(r: RequestRecord) -> bool:
+        return quiet is None or r.phase == quiet
+
+    ttft = _stat(records, pick, "ttft", 50)
+    tpot = _stat(records, pick, "tpot", 50)
     return 4.0 * (ttft or 0.0), 1.5 * (tpot or 0.0)
 
 
