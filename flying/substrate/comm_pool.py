@@ -102,7 +102,7 @@ class Member:
 
     def share_ints(self, values: list[int], n: int, own: int = 0) -> tuple[list[int], int]:
         """The leader's ``values`` (n non-negative ints < 2**63) on every member, and the
-        sum over members of ``own`` (a small non-negative int each member contributes).
+        sum over members of ``own`` (a non-negative int < 2**48 each member contributes).
 
         Members other than the leader pass anything of length n; it is ignored. Over
         shared memory this is one sum in float32 of 16-bit chunks (exact: every chunk is
@@ -112,12 +112,14 @@ class Member:
         if self.shm is None:
             shared = self.broadcast(torch.tensor(mine, dtype=torch.int64)).tolist()
             return shared, int(self.all_reduce(torch.tensor([own], dtype=torch.int64))[0])
-        chunks = [(v >> s) & 0xFFFF for v in mine for s in (0, 16, 32, 48)]
-        out = self.shm.all_reduce_(torch.tensor([*chunks, own], dtype=torch.float32))
+        # ``own`` too goes in 16-bit chunks: float32 is exact only below 2**24, and an
+        # own of several packed counts is larger (a whole own once lost its low bits).
+        chunks = [(v >> s) & 0xFFFF for v in [*mine, own] for s in (0, 16, 32, 48)]
+        out = self.shm.all_reduce_(torch.tensor(chunks, dtype=torch.float32))
         out = out.long().tolist()
-        shared = [sum(c << s for c, s in zip(out[i : i + 4], (0, 16, 32, 48), strict=True))
-                  for i in range(0, 4 * n, 4)]
-        return shared, out[-1]
+        ints = [sum(c << s for c, s in zip(out[i : i + 4], (0, 16, 32, 48), strict=True))
+                for i in range(0, 4 * (n + 1), 4)]
+        return ints[:n], ints[n]
 
     def gather_ints(self, values: list[int]) -> list[list[int]]:
         """Every member's ``values`` (same length on all), in TP-rank order."""

@@ -73,6 +73,8 @@ def _control(address, rank, out):
     out.put((rank, {
         "shm": m.shm is not None,
         "shared": m.share_ints(mine, len(big), own=rank + 1),
+        # packed counts above float32's exact range (2**24): every bit kept
+        "packed": m.share_ints([1], 1, own=(1 << 32) + (1 << 24) + (1 << 8) + 1)[1],
         "min": m.min_int(5 if rank == 0 else 3),
     }))
 
@@ -85,6 +87,7 @@ def test_share_ints_is_exact_and_min_agrees():
     for r in (0, 1):
         assert res[r]["shm"]
         assert res[r]["shared"] == (want, 3)  # leader's values; own: 1 + 2
+        assert res[r]["packed"] == 2 * ((1 << 32) + (1 << 24) + (1 << 8) + 1)
         assert res[r]["min"] == 3
 
 
