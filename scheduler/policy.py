@@ -328,18 +328,22 @@ class Policy:
         )
         return Decision("tp", found[0], found[1]) if found else None
 
-    def upgrade(self, holder: int) -> Decision:
-        """Where a running DP request goes that outgrows engine ``holder``: it has no
-        max_new_tokens of its own and is within a few tokens of one engine's limit
-        (``flying.session.upgrade``). The smallest degree whose group holds more than
-        one engine, formed around the holder (its aligned group: rule 2, long context,
-        applied mid-request); or DP, where it ends at one engine's limit as in SGLang."""
+    def upgrade(self, holder: int, current: int = 1) -> Decision:
+        """Where a running request goes that outgrows engine ``holder`` (``current`` 1)
+        or the TP-``current`` group ``holder`` leads: it has no max_new_tokens of its
+        own and is within a few tokens of its limit there (``flying.session.upgrade``,
+        ``regroup``). The smallest larger degree whose group holds more, formed around
+        the holder (its aligned group, which contains the current one: rule 2, long
+        context, applied mid-request); or where it is, ending at that limit (in DP as in
+        SGLang)."""
         if self.config.policy == "manual":
             return Decision("dp", 1, "manual: only X-Flying-TP binds groups")
+        now = self.node.capacity(current)
         for m in self.node.degrees:
-            if self.node.capacity(m) > self.node.engine_capacity and holder < self.node.num_engines // m * m:
+            if m > current and self.node.capacity(m) > now and holder < self.node.num_engines // m * m:
                 return Decision("tp", m, "long context")
-        return Decision("dp", 1, f"no TP group holds more than one engine ({self.node.engine_capacity} tokens)")
+        where = "one engine" if current == 1 else f"its TP-{current} group"
+        return Decision("dp", 1, f"no TP group holds more than {where} ({now} tokens)")
 
     @staticmethod
     def _describe(req: Request) -> str:

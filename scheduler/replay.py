@@ -62,11 +62,12 @@ def record(
     return json.dumps(doc)
 
 
-def record_upgrade(holder: int, decision: Decision, **context) -> str:
-    """One upgrade line: engine ``holder`` asked for a group for a running request
-    (``context``: its id, the time) and ``Policy.upgrade(holder)`` answered ``decision``."""
+def record_upgrade(holder: int, decision: Decision, from_degree: int = 1, **context) -> str:
+    """One upgrade line: engine ``holder`` asked for a group for a running request it
+    holds at degree ``from_degree`` (``context``: its id, the time) and
+    ``Policy.upgrade(holder, from_degree)`` answered ``decision``."""
     return json.dumps({"kind": "upgrade", **context, "holder": holder,
-                       "decision": asdict(decision)})
+                       "from_degree": from_degree, "decision": asdict(decision)})
 
 
 PLACE = "place"
@@ -100,7 +101,8 @@ class _Placer:
         return Decision(**ev["decision"]), got
 
     def upgrade(self, ev: dict) -> tuple[Decision, Decision]:
-        return Decision(**ev["decision"]), self.policy.upgrade(int(ev["holder"]))
+        got = self.policy.upgrade(int(ev["holder"]), int(ev.get("from_degree", 1)))
+        return Decision(**ev["decision"]), got
 
 
 def replay(

@@ -160,8 +160,8 @@ def upgrade_binds_for(controller, ask: Upgrade) -> list[tuple[int, Bind]]:
     policy = _policy(controller)
     if issuer is None or policy is None or not _groups_open(controller):
         return []
-    decision = policy.upgrade(ask.holder)
-    _decision_log(controller).upgrade(ask.rid, ask.holder, decision)
+    decision = policy.upgrade(ask.holder, ask.from_degree)
+    _decision_log(controller).upgrade(ask.rid, ask.holder, decision, ask.from_degree)
     if decision.mode != "tp":
         logger.info("flying: request %s stays on engine %d: %s", ask.rid, ask.holder, decision.reason)
         return []

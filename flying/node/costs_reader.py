@@ -135,12 +135,12 @@ class DecisionLog:
         except (TypeError, ValueError):
             logger.exception("flying: decision log write failed")
 
-    def upgrade(self, rid: str, holder: int, decision) -> None:
+    def upgrade(self, rid: str, holder: int, decision, from_degree: int = 1) -> None:
         """The policy's answer to engine ``holder``'s ask to take request ``rid`` into a
-        group (``Policy.upgrade``)."""
+        (larger) group (``Policy.upgrade``)."""
         if self._out is None:
             return
         try:
-            self._out.line(record_upgrade(holder, decision, rid=rid, t=time.time()))
+            self._out.line(record_upgrade(holder, decision, from_degree, rid=rid, t=time.time()))
         except (TypeError, ValueError):
             logger.exception("flying: decision log write failed")

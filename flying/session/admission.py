@@ -37,6 +37,9 @@ logger = logging.getLogger(__name__)
 MAX_PER_STEP = MAX_OFFERS
 #: How long a member waits for an offered bind to arrive on its socket.
 ARRIVAL_TIMEOUT_S = 5.0
+#: Added to an offered key whose bind is an upgrade (bind keys have 48 bits), so that a
+#: member the bind has not reached yet knows what kind of offer it waits for.
+UPGRADE_OFFER = 1 << 48
 
 
 def tokens_needed(bind: Bind, dp_limit: int) -> int:
@@ -67,12 +70,15 @@ def bind_key(bind: Bind) -> int:
 
 
 def candidates(pending: deque[Bind], session_bind: Bind) -> list[int]:
-    """Ids of the pending binds at the head of the queue for the session's own group (an
-    upgrade bind is not a new request: it forms its own session, in order)."""
+    """Ids of the pending binds at the head of the queue for the session's own group. An
+    upgrade bind (a member's running DP request outgrows its engine) is offered alone,
+    at the head: it joins with its KV (``Lifecycle.upgrade_into``), not as a new request."""
     out = []
     for b in pending:
-        if b.ranks != session_bind.ranks or b.degree != session_bind.degree or b.upgrade:
+        if b.ranks != session_bind.ranks or b.degree != session_bind.degree:
             break
+        if b.upgrade is not None:
+            return out or [bind_key(b) + UPGRADE_OFFER]
         out.append(bind_key(b))
         if len(out) == MAX_PER_STEP:
             break
@@ -100,6 +106,12 @@ def _take(engine, scheduler, keys: list[int]) -> list[Bind]:
 
 def admit(engine, scheduler, member, session, keys: list[int]) -> int:
     """Admit the offered binds on this member; returns how many joined (same on all)."""
+    if keys and keys[0] >= UPGRADE_OFFER:  # offered alone; every member must have it
+        binds = _take(engine, scheduler, [keys[0] - UPGRADE_OFFER])
+        if member.min_int(len(binds)) == 0:
+            session.admitting = False  # it forms its own session after this one, in order
+            return 0
+        return engine.upgrade_into(scheduler, binds[0])
     binds = _take(engine, scheduler, keys)
     reservations = []
     for bind in binds:

@@ -57,4 +57,6 @@ class EngineCounters:
     #: (long-context upgrade, counted on the engine they left), and this engine's asks
     upgraded: int = 0
     upgrade_asks: int = 0
+    #: of the upgraded, requests that left a group for a larger one (``regroup``)
+    regrouped: int = 0
     join_ms_sum: float = 0.0

@@ -87,6 +87,9 @@ class FlyingEngine(Lifecycle, Drain):
         self.clock = StepClock()  # measured step costs per mode and work (curves)
         self._delays = step_delays()  # test-only slower modes; {} normally
         self.session: GroupSession | None = None
+        #: a request that left its group for a larger one, until that group's bind
+        #: (``flying.session.regroup.Parked``; on the old group's leader)
+        self.parked = None
         #: degree -> the objects a group of that degree needs, built at start-up
         self.prepared: dict[int, tp_scope.Prepared] = {}
         self.aborts = AbortBook()

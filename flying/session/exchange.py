@@ -39,6 +39,10 @@ class Shared:
     dp_held: int = 0
     #: members where DP requests arrived during the session (``GroupSession.dp_arrived``)
     dp_arrived: int = 0
+    #: members holding, at the head of their queue, the bind of a larger group for the
+    #: session's request that outgrows it (``flying.session.regroup``): at m of m the
+    #: request is parked at the next boundary, on every member alike
+    parking: int = 0
 
     @property
     def done(self) -> bool:
@@ -59,23 +63,25 @@ def _padded(values: list[int], width: int) -> list[int]:
     return [len(values), *values, *[0] * (width - len(values))]
 
 
-#: the summed ``own`` carries four counts, a byte each: DP work, busy, DP held for KV,
-#: DP arrivals
+#: the summed ``own`` carries five counts, a byte each: DP work, busy, DP held for KV,
+#: DP arrivals, parking (``Member.share_ints`` keeps all 48 bits exact)
 _BUSY = 1 << 8
 _HELD = 1 << 16
 _ARRIVED = 1 << 24
+_PARKING = 1 << 32
 
 
 def exchange(
     member, batch, offers: list[int], aborts: list[int], dp_work: bool, busy: bool,
-    dp_held: bool = False, dp_arrived: bool = False,
+    dp_held: bool = False, dp_arrived: bool = False, parking: bool = False,
 ) -> Shared:
     """One collective: check lockstep, learn the leader's offers and aborts, and how many
     members have DP work waiting, session work left, DP requests held for KV, or DP
     requests that arrived during the session."""
     mine = signature(batch)
     values = mine + _padded(offers[:MAX_OFFERS], MAX_OFFERS) + _padded(aborts[:MAX_ABORTS], MAX_ABORTS)
-    own = int(dp_work) + _BUSY * int(busy) + _HELD * int(dp_held) + _ARRIVED * int(dp_arrived)
+    own = (int(dp_work) + _BUSY * int(busy) + _HELD * int(dp_held)
+           + _ARRIVED * int(dp_arrived) + _PARKING * int(parking))
     shared, own = member.share_ints(values, WIDTH, own=own)
     if shared[:SIG] != mine:
         raise LockstepError(
@@ -84,8 +90,5 @@ def exchange(
         )
     o = SIG
     a = o + 1 + MAX_OFFERS
-    return Shared(
-        shared[o + 1 : o + 1 + shared[o]], shared[a + 1 : a + 1 + shared[a]],
-        own % _BUSY, own // _BUSY % (_HELD // _BUSY), own // _HELD % (_ARRIVED // _HELD),
-        own // _ARRIVED,
-    )
+    counts = [own // unit % 256 for unit in (1, _BUSY, _HELD, _ARRIVED, _PARKING)]
+    return Shared(shared[o + 1 : o + 1 + shared[o]], shared[a + 1 : a + 1 + shared[a]], *counts)

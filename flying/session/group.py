@@ -85,6 +85,9 @@ class GroupSession:
     #: this member's DP decode needs KV slots the session holds: its DP step is held
     #: and the session yields (moves its requests or, closed to new ones, drains)
     dp_held: bool = False
+    #: rids of requests upgraded into this session without a bound of their own: near
+    #: the group's bound they may ask for a larger group (``flying.session.regroup``)
+    growable: set = field(default_factory=set)
     batch: object = None  # the TP batch of the current step (until the next input boundary)
     failure: BaseException | None = None  # raised in a TP step; contained at next input
     #: perf_counter stamps: bind taken, rendezvous done, first TP step ready

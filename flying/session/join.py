@@ -72,6 +72,9 @@ class Joining:
     #: the decision's line for the decision log (``layout_log``), written with the
     #: measured costs once the requests landed; None without a log
     log: dict | None = None
+    #: the requests left a group for a larger one (``regroup``): no engine holds them,
+    #: so a failed join ends them instead of putting them back into DP
+    parked: bool = False
 
 
 def eligible(req, seq_len: int) -> bool:
@@ -244,6 +247,11 @@ def restore(scheduler, joining: Joining) -> None:
     reqs = joining.reqs
     for req, bound in zip(reqs, joining.dp_bounds or (), strict=False):
         req.sampling_params.max_new_tokens = bound
+    if joining.parked:  # they left a group and fit no engine: they end there
+        from flying.session import regroup
+
+        regroup.finish(scheduler, reqs)
+        return
     try:
         for req in reqs:
             if req.kv.holds_kv:
@@ -322,10 +330,10 @@ def _take_out(scheduler, reqs: list) -> tuple[torch.Tensor, bytes]:
     batch.filter_batch(keep_indices=keep)
     for req in reqs:
         release_kv_cache(req, scheduler.tree_cache, checkpoint=True)
-    return block, _pickled(reqs)
+    return block, pickled(reqs)
 
 
-def _pickled(reqs: list) -> bytes:
+def pickled(reqs: list) -> bytes:
     """The requests' state without what a copy must not share (tokenizer, tree locks,
     the leader's timing and metrics state)."""
     saved = [(r.tokenizer, r.lock, r.last_node, r.time_stats) for r in reqs]

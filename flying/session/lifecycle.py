@@ -17,6 +17,7 @@ from flying.session import (
     join,
     layout_log,
     move,
+    regroup,
     report,
     tp_scope,
     upgrade,
@@ -71,8 +72,10 @@ class Lifecycle:
             tp_scope.release(scheduler, reservation)
             self.counters.aborted_binds += 1
             logger.warning("flying: bind %s aborted: %s", bind.bind_id, verdict.reason)
-            if bind.upgrade is not None:
-                pass  # the request goes on in DP where it runs
+            if bind.upgrade is not None:  # it goes on in DP; one that left a group ends
+                parked = regroup.take(self, scheduler, bind.upgrade.rid)
+                if parked is not None:
+                    regroup.finish(scheduler, [parked.req])
             elif is_leader and self.aborts.hits(bind.req.rid):
                 tp_scope.reject(scheduler, bind.req, "request aborted by the client")
             elif is_leader:  # the group could not form: serve the request in DP instead
@@ -150,6 +153,11 @@ class Lifecycle:
             )
         if shared.offers:
             s.joined += admission.admit(self, scheduler, s.member, s.scope, shared.offers)
+        # The session's only request moves to a larger group (every member has its bind).
+        if shared.parking == len(s.bind.ranks) and regroup.park(self, scheduler, s):
+            self._end(scheduler, s, [])
+            return None
+        regroup.ask(self, scheduler, s)
         # DP requests arrived at a member: a session that may hand its requests to DP
         # moves them now (every member decides alike: shared values, lockstep). Any
         # session (unless moves are off) yields when a member's DP requests need the KV
@@ -181,7 +189,7 @@ class Lifecycle:
         )
         busy = bool(scheduler.waiting_queue) or not scheduler.running_batch.is_empty()
         s.shared = exchange.exchange(s.member, batch, offers, due, s.dp_work, busy, s.dp_held,
-                                     s.dp_arrived)
+                                     s.dp_arrived, regroup.parking(self, s))
         if batch is not None:
             s.idle_steps = 0
             s.tp_steps += 1
@@ -204,6 +212,34 @@ class Lifecycle:
                 raise RuntimeError(f"flying: TP session made no progress: {_describe(scheduler)}")
         self.poll(scheduler)  # offers to take: their binds may still be in flight
         return None
+
+    def upgrade_into(self, scheduler, bind: Bind) -> int:
+        """Every member, TP state, the same boundary (``admission.admit``): a member's
+        running DP request outgrew its engine while this session runs, and its upgrade
+        bind is for this session's group: it joins the session with its KV (as into a
+        forming group: ``upgrade.gather`` in the DP state, ``join.land`` here) instead of
+        waiting for the session to end, when it would have ended at its DP limit.
+        Returns 1 if it joined, else 0 (it goes on in DP)."""
+        s = self.session
+        self.pending.remove(bind)
+        s.scope.leave()
+        try:
+            joining = upgrade.gather(self, scheduler, bind, s.member, self.faults)
+        finally:
+            s.scope.enter()
+        if joining is None:
+            return 0
+        try:
+            join.land(scheduler, s.scope, joining)
+        except BaseException:
+            s.scope.leave()
+            try:
+                join.recover(scheduler, joining)
+            finally:
+                s.scope.enter()
+            raise
+        self._joined(s, joining, (time.perf_counter() - joining.t_agreed) * 1e3)
+        return 1
 
     def _may_move(self, s: GroupSession) -> bool:
         return move.allowed(self.move_to_dp, s.scope.reasons) and s.tp_steps >= s.move_retry_at
@@ -239,6 +275,9 @@ class Lifecycle:
             self.counters.moved_to_tp += len(joining.reqs)
             self.counters.moved_tokens_to_tp += sum(joining.lens)
             self.counters.upgraded += len(joining.reqs) if s.bind.upgrade else 0
+            self.counters.regrouped += len(joining.reqs) if joining.parked else 0
+        if s.bind.upgrade is not None and self.watch.enabled:  # may outgrow this group too
+            s.growable.update(r.rid for r in joining.reqs)
         if s.bind.upgrade is not None:
             for req in joining.reqs:  # the leader's copy answers from here on
                 report.moved(req, s.bind.degree, upgrade.UPGRADED_REASON)

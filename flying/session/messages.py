@@ -131,14 +131,18 @@ def check_routing_key(value: Any, source: str) -> None:
 
 @dataclass(frozen=True)
 class Upgrade:
-    """An engine's running DP request outgrows the engine: it asks for a group.
+    """A running request outgrows its engine (or its group): it asks for a larger group.
 
-    ``rid`` runs on engine ``holder``; the request has no max_new_tokens of its own and
-    is within a few tokens of the engine's length limit (``flying.session.upgrade``)."""
+    ``rid`` runs on engine ``holder`` (or in the group ``holder`` leads); the request has
+    no max_new_tokens of its own and is within a few tokens of its length limit there
+    (``flying.session.upgrade``, ``flying.session.regroup``)."""
 
     rid: str
-    holder: int  # the engine's dp_rank
+    holder: int  # the engine's dp_rank (a group's leader, for a group's request)
     asked_at: float  # the engine's time.time()
+    #: the degree the request runs at now: 1 in DP, or the TP group it outgrows, whose
+    #: members hand it to a larger aligned group around them (``flying.session.regroup``)
+    from_degree: int = 1
 
 
 @dataclass

@@ -72,11 +72,13 @@ class Watch:
         if not self.unbounded:
             return
         for req in scheduler.running_batch.reqs:
-            if req in self.unbounded and _due(req):
+            if req in self.unbounded and due(req):
                 self.unbounded.discard(req)
-                self._ask(req.rid)
+                self.ask(req.rid)
 
-    def _ask(self, rid: str) -> None:
+    def ask(self, rid: str, from_degree: int = 1) -> None:
+        """Send the controller an ``Upgrade`` for ``rid``, which this engine holds in DP
+        (``from_degree`` 1) or leads in a TP group (``flying.session.regroup``)."""
         import zmq
         from sglang.srt.managers.io_struct import sock_send, wrap_as_pickle
 
@@ -87,15 +89,18 @@ class Watch:
                 self._sock = zmq.Context.instance().socket(zmq.PUSH)
                 self._sock.setsockopt(zmq.LINGER, 0)
                 self._sock.connect(upgrade_endpoint())
-            sock_send(self._sock, wrap_as_pickle(Upgrade(rid, self.dp_rank, time.time())), zmq.NOBLOCK)
+            ask = Upgrade(rid, self.dp_rank, time.time(), from_degree)
+            sock_send(self._sock, wrap_as_pickle(ask), zmq.NOBLOCK)
             self.counters.upgrade_asks += 1
-            logger.info("flying: engine %d asks for a group for request %s (outgrows the engine)",
-                        self.dp_rank, rid)
+            where = "the engine" if from_degree == 1 else f"its TP-{from_degree} group"
+            logger.info("flying: engine %d asks for a group for request %s (outgrows %s)",
+                        self.dp_rank, rid, where)
         except Exception:  # noqa: BLE001 - no ask: the request ends at this engine's limit
             logger.exception("flying: engine %d could not ask for a group for %s", self.dp_rank, rid)
 
 
-def _due(req) -> bool:
+def due(req) -> bool:
+    """``req`` is within ``AHEAD`` tokens of its bound and could join a group."""
     left = req.sampling_params.max_new_tokens - len(req.output_ids)
     return 0 < left <= AHEAD and join.joinable(req)
 
@@ -105,6 +110,10 @@ def gather(engine, scheduler, bind: Bind, member, faults=None) -> join.Joining |
     the holder's request into the group with its KV. None (nothing changed) if it is
     gone, cannot join, or the group would not let it grow."""
     up = bind.upgrade
+    if up.from_degree > 1:  # a group's request into the larger group around it
+        from flying.session import regroup
+
+        return regroup.gather(engine, scheduler, bind, member, faults)
     src = bind.ranks.index(up.holder)
     is_src = engine.dp_rank == up.holder
     req = _running(scheduler, up.rid) if is_src else None
@@ -113,7 +122,7 @@ def gather(engine, scheduler, bind: Bind, member, faults=None) -> join.Joining |
     bound = req.sampling_params.max_new_tokens if req is not None else 0
     # The holder's request frees its own n slots when it leaves DP; every member keeps
     # what its other running DP requests may still need.
-    room = max(0, tp_scope.dp_room(scheduler) + n - _dp_needs(scheduler, req))
+    room = max(0, tp_scope.dp_room(scheduler) + n - dp_needs(scheduler, req))
     rows = member.gather_ints([n, prompt, bound, room])
     n, prompt, bound = rows[src][:3]
     per_slot = engine.prepared[bind.degree].per_slot
@@ -167,7 +176,7 @@ def _running(scheduler, rid: str):
 
 
 
-def _dp_needs(scheduler, req) -> int:
+def dp_needs(scheduler, req=None) -> int:
     """KV tokens this engine's other running DP requests may still use (their bounds
     less what they produced): left to them, so that a group never holds them for KV.
     On the holder ``req``'s own slots count as room: they are freed when it leaves."""

@@ -45,6 +45,9 @@ def test_each_count_is_its_own_across_members():
     assert (got.dp_waiting, got.busy, got.dp_held, got.dp_arrived) == (2, 1, 1, 1)
     moved_in = exchange.exchange(_Leader(others_own=1), None, [], [], True, False)
     assert moved_in.dp_waiting == 2 and moved_in.dp_arrived == 0
+    parking = exchange.exchange(_Leader(others_own=other + (1 << 32)), None, [], [], False,
+                                True, parking=True)
+    assert (parking.parking, parking.dp_arrived, parking.dp_waiting) == (2, 1, 1)
 
 
 def test_session_ends_only_when_no_member_is_busy():

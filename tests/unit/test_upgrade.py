@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from flying.session import join, upgrade
-from flying.session.admission import candidates
+from flying.session.admission import UPGRADE_OFFER, bind_key, candidates
 from flying.session.budget import ADMISSION_SLACK
 from flying.session.counters import EngineCounters
 from flying.session.messages import Bind, Upgrade
@@ -40,7 +40,7 @@ class _Req:
 def _watch(enabled=True):
     watch = upgrade.Watch(0, enabled, EngineCounters())
     asked: list[str] = []
-    watch._ask = asked.append
+    watch.ask = asked.append
     return watch, asked
 
 
@@ -91,6 +91,23 @@ def test_the_policy_upgrades_to_the_smallest_degree_around_the_holder():
     assert Policy(PolicyConfig(), capped).upgrade(1).mode == "dp"  # the context bounds it
 
 
+def test_a_group_s_request_goes_to_the_larger_group_around_it():
+    """TP -> TP: a request outgrowing the TP-2 group engine 2 leads goes to the TP-4
+    group around it; nothing larger than TP-4, or a context TP-2 already reaches, keeps
+    it where it is (it ends at the group's limit)."""
+    node = Node(4, (2, 4), engine_capacity=395, engine_slots=400, group_slack=4)
+    policy = Policy(PolicyConfig(), node)
+    grown = policy.upgrade(2, current=2)
+    assert (grown.mode, grown.degree) == ("tp", 4)
+    assert policy.upgrade(0, current=4).mode == "dp"
+    assert "TP-4 group" in policy.upgrade(0, current=4).reason
+    capped = Node(4, (2, 4), engine_capacity=395, engine_slots=400, group_slack=4,
+                  context_limit=796)
+    assert Policy(PolicyConfig(), capped).upgrade(0, current=2).mode == "dp"
+    six = Node(6, (2, 4), engine_capacity=395, engine_slots=400, group_slack=4)
+    assert Policy(PolicyConfig(), six).upgrade(4, current=2).mode == "dp"  # no aligned TP-4
+
+
 def test_a_group_lets_it_grow_to_what_every_member_can_give():
     assert upgrade.new_total(400, 2, 400, 8191) == 800 - ADMISSION_SLACK
     assert upgrade.new_total(250, 2, 400, 8191) == 500 - ADMISSION_SLACK  # a busy member
@@ -99,12 +116,20 @@ def test_a_group_lets_it_grow_to_what_every_member_can_give():
     assert upgrade.new_total(0, 2, 400, 8191) == 0
 
 
-def test_an_upgrade_bind_is_never_admitted_into_a_running_session():
+def test_an_upgrade_bind_is_offered_alone_to_a_running_session_of_its_group():
+    """A member's DP request that outgrows its engine while the group's session runs
+    joins that session: its bind is offered alone, at the head of the queue, marked so
+    that a member it has not reached yet knows the kind; never behind new requests, nor
+    to a session of another group."""
     ask = Upgrade("long", 1, 0.0)
     session = Bind("a" * 12, 2, (0, 1), SimpleNamespace(rid="x"), 0.0)
     up = Bind("b" * 12, 2, (0, 1), None, 0.0, "long", ask)
     after = Bind("c" * 12, 2, (0, 1), SimpleNamespace(rid="y"), 0.0)
-    assert candidates(deque([up, after]), session) == []
+    assert candidates(deque([up, after]), session) == [bind_key(up) + UPGRADE_OFFER]
+    assert candidates(deque([after, up]), session) == [bind_key(after)]
+    other = Bind("d" * 12, 2, (2, 3), SimpleNamespace(rid="z"), 0.0)
+    assert candidates(deque([up]), other) == []
+    assert bind_key(up) < UPGRADE_OFFER
     assert up.rid == "long" and after.rid == "y"
 
 
@@ -143,3 +168,59 @@ def test_each_member_gets_its_heads_from_whichever_member_holds_the_request(monk
         t.join(timeout=30)
     for rank in range(degree):
         assert torch.equal(got[rank], kv_relayout.shard_of(block, rank, degree))
+
+
+def _session(ranks=(0, 1), leader=True, growable=("a",)):
+    bind = Bind("e" * 12, len(ranks), ranks, SimpleNamespace(rid="s"), 0.0)
+    return SimpleNamespace(bind=bind, is_leader=leader, growable=set(growable))
+
+
+def test_a_group_s_lone_request_asks_for_a_larger_group_near_its_bound():
+    """The leader asks once, for the session's only request, near its group bound, and
+    only where a larger group exists (``regroup.ask``)."""
+    from flying.session import regroup
+
+    def engine(degrees=(2, 4)):
+        asked: list = []
+        watch = SimpleNamespace(ask=lambda rid, from_degree: asked.append((rid, from_degree)))
+        return SimpleNamespace(watch=watch, prepared=dict.fromkeys(degrees)), asked
+
+    near = _Req("a", 40, 700 - upgrade.AHEAD, 700)
+    sched = SimpleNamespace(running_batch=SimpleNamespace(reqs=[near]), waiting_queue=[])
+    eng, asked = engine()
+    s = _session()
+    regroup.ask(eng, sched, s)
+    regroup.ask(eng, sched, s)
+    assert asked == [("a", 2)]  # once
+    for s, eng_sched in (
+        (_session(leader=False), sched),  # the leader asks for the group
+        (_session(growable=()), sched),  # it came with a bound of its own
+        (_session(), SimpleNamespace(running_batch=SimpleNamespace(reqs=[near, _Req("b", 4, 1, 9)]),
+                                     waiting_queue=[])),  # not alone
+        (_session(), SimpleNamespace(running_batch=SimpleNamespace(reqs=[_Req("a", 40, 10, 700)]),
+                                     waiting_queue=[])),  # far from its bound
+    ):
+        eng, asked = engine()
+        regroup.ask(eng, eng_sched, s)
+        assert asked == []
+    eng, asked = engine(degrees=(2,))
+    regroup.ask(eng, sched, _session())
+    assert asked == []  # no larger group on this node
+
+
+def test_a_member_parks_only_for_the_larger_group_around_its_own():
+    from flying.session import regroup
+
+    s = _session()
+    up = Upgrade("a", 0, 0.0, from_degree=2)
+
+    def parking(*pending):
+        return regroup.parking(SimpleNamespace(pending=deque(pending)), s)
+
+    tp4 = Bind("f" * 12, 4, (0, 1, 2, 3), None, 0.0, "long", up)
+    assert parking(tp4)
+    assert not parking()  # nothing pending
+    assert not parking(Bind("1" * 12, 2, (0, 1), SimpleNamespace(rid="n"), 0.0), tp4)  # not the head
+    assert not parking(Bind("f" * 12, 4, (4, 5, 6, 7), None, 0.0, "long", up))  # not around it
+    dp_ask = Upgrade("a", 0, 0.0)
+    assert not parking(Bind("f" * 12, 4, (0, 1, 2, 3), None, 0.0, "long", dp_ask))  # a DP ask
