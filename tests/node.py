@@ -92,9 +92,11 @@ def until(cond, what: str, timeout: float = 120) -> None:
         time.sleep(0.05)
 
 
-def stream_ids(server, payload: dict, headers: dict | None = None) -> tuple[list[int], dict, int]:
+def stream_ids(server, payload: dict, headers: dict | None = None,
+               on_ids=None) -> tuple[list[int], dict, int]:
     """POST a streamed ``/generate`` ``payload``: (its output ids, the last chunk's
-    meta_info, the number of chunks); asserts 200."""
+    meta_info, the number of chunks); asserts 200. ``on_ids`` is called with the count
+    of output ids so far after each chunk."""
     out: list[int] = []
     meta: dict = {}
     chunks = 0
@@ -109,6 +111,8 @@ def stream_ids(server, payload: dict, headers: dict | None = None) -> tuple[list
             # cumulative chunks (SGLang's default) or increments: both end as one list
             out = got if out == got[: len(out)] and len(got) >= len(out) else out + got
             meta, chunks = doc["meta_info"], chunks + 1
+            if on_ids is not None:
+                on_ids(len(out))
     return out, meta, chunks
 
 

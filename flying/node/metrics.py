@@ -132,6 +132,7 @@ class FlyingCollector:
                 ("moved_to_dp", "running requests a group handed to DP with their KV"),
                 ("moved_tokens", "tokens of KV moved from groups to DP"),
                 ("upgraded", "running DP requests that outgrew their engine into a group"),
+                ("regrouped", "group requests that outgrew their group into a larger one"),
             )
         }
         sessions = HistogramMetricFamily(

@@ -75,6 +75,9 @@ class Joining:
     #: the requests left a group for a larger one (``regroup``): no engine holds them,
     #: so a failed join ends them instead of putting them back into DP
     parked: bool = False
+    #: an upgrade's request (it outgrew its engine or group: ``upgrade``, ``regroup``),
+    #: not the leader's DP requests joining a forming session
+    upgrade: bool = False
 
 
 def eligible(req, seq_len: int) -> bool:

@@ -274,15 +274,15 @@ class Lifecycle:
         if joining.source:
             self.counters.moved_to_tp += len(joining.reqs)
             self.counters.moved_tokens_to_tp += sum(joining.lens)
-            self.counters.upgraded += len(joining.reqs) if s.bind.upgrade else 0
+            self.counters.upgraded += len(joining.reqs) if joining.upgrade else 0
             self.counters.regrouped += len(joining.reqs) if joining.parked else 0
-        if s.bind.upgrade is not None and self.watch.enabled:  # may outgrow this group too
+        if joining.upgrade and self.watch.enabled:  # may outgrow this group too
             s.growable.update(r.rid for r in joining.reqs)
-        if s.bind.upgrade is not None:
+        if joining.upgrade:
             for req in joining.reqs:  # the leader's copy answers from here on
                 report.moved(req, s.bind.degree, upgrade.UPGRADED_REASON)
         if joining.log is not None:
-            layout_log.write("upgrade_join" if s.bind.upgrade else "join", {
+            layout_log.write("upgrade_join" if joining.upgrade else "join", {
                 **joining.log, "ms": round(ms, 3), "tokens": sum(joining.lens),
                 "kv_bytes": layout_log.kv_bytes(joining.shard),
             })

@@ -165,7 +165,7 @@ def gather(engine, scheduler, bind, member, faults=None) -> join.Joining | None:
     joining = join.Joining(
         [req] if parked is not None else [], [n], None, [res], time.perf_counter(),
         parked.full if parked is not None else None, source=parked is not None,
-        dp_bounds=[bound], log=log, parked=True,
+        dp_bounds=[bound], log=log, parked=True, upgrade=True,
     )
     join.carry(member, scheduler, joining, payload, bind.degree, src, faults)
     logger.info("flying: request %s joins a TP-%d group: up to %d tokens (was %d in TP-%d)",

@@ -144,7 +144,7 @@ def gather(engine, scheduler, bind: Bind, member, faults=None) -> join.Joining |
         block, payload = join._take_out(scheduler, [req])
     joining = join.Joining(
         [req] if is_src else [], [n], None, [], time.perf_counter(), block, source=is_src,
-        dp_bounds=[bound],
+        dp_bounds=[bound], upgrade=True,
     )
     room = tp_scope.dp_room(scheduler) if log is not None else 0
     res = tp_scope.reserve_for(scheduler, total + ADMISSION_SLACK, per_slot)

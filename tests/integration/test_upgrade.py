@@ -16,6 +16,7 @@ Every layout change the node made (upgrades, and a move to DP and a join under
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 
@@ -25,9 +26,11 @@ from tests.node import (
     delta,
     dp_then_tp,
     engine_counter,
+    greedy_payload,
     settled,
     stream_ids,
     tp_then_dp,
+    until,
     wait_idle,
 )
 from tests.reference import greedy_tokens, prompts
@@ -112,6 +115,46 @@ def test_a_bounded_request_ends_at_its_bound_in_dp(upgrade_server, demo_model_di
     assert len(r.json()["output_ids"]) == slots - len(prompt) - 8
     assert _deltas(after, before, "upgrade_asks") == [0, 0]
     assert _deltas(after, before, "binds") == [0, 0]
+
+
+def test_a_request_outgrowing_its_engine_joins_the_running_session_of_its_group(
+    upgrade_server, demo_model_dir
+):
+    """Engine 1 serves request B (no bound of its own) in DP between the steps of a
+    TP-2 session that serves A (an explicit group request). B nears its DP limit while
+    A's session runs: its upgrade joins that session with its KV (no new bind, no wait
+    for A to end) and B goes on past one engine's pool; A and B give transformers'
+    tokens; KV slots and rows return."""
+    before = wait_idle(upgrade_server)
+    (prompt_b,) = prompts(1, 20, seed=181)
+    (prompt_a,) = prompts(1, 8, seed=191)
+    seen: list[int] = []
+    out: dict = {}
+
+    def run_b() -> None:
+        ids, meta, _ = stream_ids(upgrade_server, _unbounded(prompt_b, 1, stream=True),
+                                  on_ids=seen.append)
+        out.update(ids=ids, meta=meta)
+
+    b = threading.Thread(target=run_b, daemon=True)
+    b.start()
+    # A starts ~44 tokens before B asks and runs 80 tokens (B gets one DP step per
+    # group step), reserving 46 slots per engine: B's KV keeps fitting beside it.
+    until(lambda: seen and seen[-1] >= 270, "request B to near its engine's limit", 600)
+    a = upgrade_server.post("/generate", greedy_payload(prompt_a, 80),
+                            headers={"X-Flying-TP": "2"}, timeout=900)
+    b.join(900)
+    assert a.status_code == 200, a.text
+    assert a.json()["output_ids"] == greedy_tokens(demo_model_dir, prompt_a, 80)
+    assert a.json()["meta_info"]["flying"]["mode"] == "tp"
+    after = settled(upgrade_server, before)
+    ids = out["ids"]
+    slots = engine_counter(before, "total_kv_slots")[0]
+    assert len(prompt_b) + len(ids) > slots, len(ids)  # more than one engine holds
+    assert out["meta"]["finish_reason"]["type"] == "length"
+    assert ids == greedy_tokens(demo_model_dir, prompt_b, len(ids))
+    assert _deltas(after, before, "upgraded") == [0, 1]
+    assert _deltas(after, before, "binds") == [1, 1]  # A's: B joined its session
 
 
 @pytest.mark.parametrize("rank", [1, 0])
