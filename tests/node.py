@@ -72,6 +72,27 @@ def greedy_on(server, ids: list[int], n: int, rank: int) -> tuple[threading.Thre
     return thread, result
 
 
+def unbounded_payload(ids: list[int], rank: int, stream: bool = False) -> dict:
+    """A greedy /generate without a bound of its own (EOS ignored), on engine ``rank``:
+    it may grow to the length limit of where it runs (long-context upgrade)."""
+    return {
+        "input_ids": ids, "routed_dp_rank": rank, "stream": stream,
+        "sampling_params": {"max_new_tokens": None, "temperature": 0, "ignore_eos": True},
+    }
+
+
+def generated(server, payload: dict) -> dict:
+    """POST ``/generate`` (long timeout); its JSON answer (asserts 200)."""
+    r = server.post("/generate", payload, timeout=900)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def engine_deltas(after: dict, before: dict, key: str) -> list[int]:
+    """How much ``key`` grew on each engine (by rank) from ``before`` to ``after``."""
+    return [a - b for a, b in zip(engine_counter(after, key), engine_counter(before, key), strict=True)]
+
+
 def greedy_payload(ids: list[int], n: int) -> dict:
     return {
         "input_ids": ids,

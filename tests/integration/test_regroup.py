@@ -18,7 +18,7 @@ import pytest
 
 from scheduler import replay
 from tests.conftest import SLOWER, serve
-from tests.node import engine_counter, settled, wait_idle
+from tests.node import engine_deltas, generated, settled, unbounded_payload, wait_idle
 from tests.reference import greedy_tokens, prompts
 
 pytestmark = pytest.mark.integration
@@ -41,23 +41,10 @@ def regroup_server(demo_model_dir, tmp_path_factory):
     servers.close()
 
 
-def _unbounded(ids: list[int], rank: int) -> dict:
-    return {
-        "input_ids": ids, "routed_dp_rank": rank,
-        "sampling_params": {"max_new_tokens": None, "temperature": 0, "ignore_eos": True},
-    }
-
-
-def _deltas(after: dict, before: dict, key: str) -> list[int]:
-    return [a - b for a, b in zip(engine_counter(after, key), engine_counter(before, key), strict=True)]
-
-
 def test_a_request_outgrows_its_tp2_group_into_the_tp4_group(regroup_server, demo_model_dir):
     before = wait_idle(regroup_server)
     (prompt,) = prompts(1, 40, seed=171)
-    r = regroup_server.post("/generate", _unbounded(prompt, 1), timeout=900)
-    assert r.status_code == 200, r.text
-    out = r.json()
+    out = generated(regroup_server, unbounded_payload(prompt, 1))
     ids = out["output_ids"]
     after = settled(regroup_server, before)
     assert len(prompt) + len(ids) > 2 * SLOTS, len(ids)  # more than a TP-2 group pools
@@ -65,9 +52,9 @@ def test_a_request_outgrows_its_tp2_group_into_the_tp4_group(regroup_server, dem
     flying = out["meta_info"]["flying"]
     assert (flying["mode"], flying["degree"]) == ("tp", 4), flying
     assert ids == greedy_tokens(demo_model_dir, prompt, len(ids))
-    assert _deltas(after, before, "upgraded") == [1, 1, 0, 0]  # from engine 1, then group 0-1
-    assert _deltas(after, before, "regrouped") == [1, 0, 0, 0]
-    assert sum(_deltas(after, before, "prefill_tokens")) == len(prompt)  # prefilled once
+    assert engine_deltas(after, before, "upgraded") == [1, 1, 0, 0]  # from engine 1, then group 0-1
+    assert engine_deltas(after, before, "regrouped") == [1, 0, 0, 0]
+    assert sum(engine_deltas(after, before, "prefill_tokens")) == len(prompt)  # prefilled once
 
     lines = [json.loads(x) for x in regroup_server.decisions.read_text().splitlines()]
     ups = [x for x in lines if x.get("kind") == "upgrade"]
@@ -86,16 +73,14 @@ def test_a_fault_in_the_tp4_group_ends_the_request_with_what_it_produced(
     assert r.status_code == 200, r.text
     before = wait_idle(regroup_server)
     (prompt,) = prompts(1, 40, seed=173)
-    r = regroup_server.post("/generate", _unbounded(prompt, 0), timeout=900)
-    assert r.status_code == 200, r.text
-    out = r.json()
+    out = generated(regroup_server, unbounded_payload(prompt, 0))
     ids = out["output_ids"]
     after = settled(regroup_server, before)
     assert out["meta_info"]["finish_reason"]["type"] == "length"
     assert SLOTS < len(prompt) + len(ids) <= 2 * SLOTS  # past one engine, not past TP-2
     assert ids == greedy_tokens(demo_model_dir, prompt, len(ids))
-    assert sum(_deltas(after, before, "faulted_sessions")) >= 1
-    assert _deltas(after, before, "regrouped") == [0, 0, 0, 0]
+    assert sum(engine_deltas(after, before, "faulted_sessions")) >= 1
+    assert engine_deltas(after, before, "regrouped") == [0, 0, 0, 0]
 
 
 def test_the_log_of_every_regroup_replays(regroup_server, capsys):

@@ -26,10 +26,13 @@ from tests.node import (
     delta,
     dp_then_tp,
     engine_counter,
+    engine_deltas,
+    generated,
     greedy_payload,
     settled,
     stream_ids,
     tp_then_dp,
+    unbounded_payload,
     until,
     wait_idle,
 )
@@ -56,33 +59,19 @@ def upgrade_server(demo_model_dir, tmp_path_factory):
     servers.close()
 
 
-def _unbounded(ids: list[int], rank: int, stream: bool = False) -> dict:
-    """A greedy /generate without a bound of its own, on engine ``rank``."""
-    return {
-        "input_ids": ids, "routed_dp_rank": rank, "stream": stream,
-        "sampling_params": {"max_new_tokens": None, "temperature": 0, "ignore_eos": True},
-    }
-
-
-def _deltas(after: dict, before: dict, key: str) -> list[int]:
-    return [a - b for a, b in zip(engine_counter(after, key), engine_counter(before, key), strict=True)]
-
-
 def test_a_request_without_a_bound_outgrows_its_engine_into_a_group(upgrade_server, demo_model_dir):
     before = wait_idle(upgrade_server)
     slots = engine_counter(before, "total_kv_slots")[0]
     (prompt,) = prompts(1, 40, seed=131)
-    r = upgrade_server.post("/generate", _unbounded(prompt, 0), timeout=900)
-    assert r.status_code == 200, r.text
-    out = r.json()
+    out = generated(upgrade_server, unbounded_payload(prompt, 0))
     ids = out["output_ids"]
     after = settled(upgrade_server, before)
     assert len(prompt) + len(ids) > slots, (len(ids), slots)  # more than one engine holds
     assert out["meta_info"]["finish_reason"]["type"] == "length"
     assert out["meta_info"]["flying"]["mode"] == "tp", out["meta_info"]["flying"]
     assert ids == greedy_tokens(demo_model_dir, prompt, len(ids))
-    assert _deltas(after, before, "upgraded") == [1, 0]
-    assert sum(_deltas(after, before, "prefill_tokens")) == len(prompt)  # prefilled once
+    assert engine_deltas(after, before, "upgraded") == [1, 0]
+    assert sum(engine_deltas(after, before, "prefill_tokens")) == len(prompt)  # prefilled once
 
 
 def test_an_upgraded_stream_goes_on_from_the_groups_leader(upgrade_server, demo_model_dir):
@@ -91,14 +80,14 @@ def test_an_upgraded_stream_goes_on_from_the_groups_leader(upgrade_server, demo_
     before = wait_idle(upgrade_server)
     slots = engine_counter(before, "total_kv_slots")[0]
     (prompt,) = prompts(1, 48, seed=137)
-    ids, meta, chunks = stream_ids(upgrade_server, _unbounded(prompt, 1, stream=True))
+    ids, meta, chunks = stream_ids(upgrade_server, unbounded_payload(prompt, 1, stream=True))
     after = settled(upgrade_server, before)
     assert chunks > 1
     assert len(prompt) + len(ids) > slots, (len(ids), slots)
     assert meta["finish_reason"]["type"] == "length"
     assert ids == greedy_tokens(demo_model_dir, prompt, len(ids))
-    assert _deltas(after, before, "upgraded") == [0, 1]
-    assert sum(_deltas(after, before, "prefill_tokens")) == len(prompt)
+    assert engine_deltas(after, before, "upgraded") == [0, 1]
+    assert sum(engine_deltas(after, before, "prefill_tokens")) == len(prompt)
 
 
 def test_a_bounded_request_ends_at_its_bound_in_dp(upgrade_server, demo_model_dir):
@@ -107,14 +96,14 @@ def test_a_bounded_request_ends_at_its_bound_in_dp(upgrade_server, demo_model_di
     before = wait_idle(upgrade_server)
     slots = engine_counter(before, "total_kv_slots")[0]
     (prompt,) = prompts(1, 40, seed=139)
-    payload = _unbounded(prompt, 0)
+    payload = unbounded_payload(prompt, 0)
     payload["sampling_params"]["max_new_tokens"] = slots - len(prompt) - 8
     r = upgrade_server.post("/generate", payload, timeout=900)
     assert r.status_code == 200, r.text
     after = settled(upgrade_server, before)
     assert len(r.json()["output_ids"]) == slots - len(prompt) - 8
-    assert _deltas(after, before, "upgrade_asks") == [0, 0]
-    assert _deltas(after, before, "binds") == [0, 0]
+    assert engine_deltas(after, before, "upgrade_asks") == [0, 0]
+    assert engine_deltas(after, before, "binds") == [0, 0]
 
 
 def test_a_request_outgrowing_its_engine_joins_the_running_session_of_its_group(
@@ -132,7 +121,7 @@ def test_a_request_outgrowing_its_engine_joins_the_running_session_of_its_group(
     out: dict = {}
 
     def run_b() -> None:
-        ids, meta, _ = stream_ids(upgrade_server, _unbounded(prompt_b, 1, stream=True),
+        ids, meta, _ = stream_ids(upgrade_server, unbounded_payload(prompt_b, 1, stream=True),
                                   on_ids=seen.append)
         out.update(ids=ids, meta=meta)
 
@@ -153,8 +142,8 @@ def test_a_request_outgrowing_its_engine_joins_the_running_session_of_its_group(
     assert len(prompt_b) + len(ids) > slots, len(ids)  # more than one engine holds
     assert out["meta"]["finish_reason"]["type"] == "length"
     assert ids == greedy_tokens(demo_model_dir, prompt_b, len(ids))
-    assert _deltas(after, before, "upgraded") == [0, 1]
-    assert _deltas(after, before, "binds") == [1, 1]  # A's: B joined its session
+    assert engine_deltas(after, before, "upgraded") == [0, 1]
+    assert engine_deltas(after, before, "binds") == [1, 1]  # A's: B joined its session
 
 
 @pytest.mark.parametrize("rank", [1, 0])
@@ -166,12 +155,10 @@ def test_a_fault_while_upgrading_leaves_the_request_in_dp(upgrade_server, demo_m
     assert r.status_code == 200, r.text
     before = wait_idle(upgrade_server)
     (prompt,) = prompts(1, 40, seed=149 + rank)
-    r = upgrade_server.post("/generate", _unbounded(prompt, 1), timeout=900)
-    assert r.status_code == 200, r.text
-    ids = r.json()["output_ids"]
+    ids = generated(upgrade_server, unbounded_payload(prompt, 1))["output_ids"]
     after = settled(upgrade_server, before)
-    assert sum(_deltas(after, before, "faulted_sessions")) >= 1
-    assert _deltas(after, before, "upgraded") == [0, 0]
+    assert sum(engine_deltas(after, before, "faulted_sessions")) >= 1
+    assert engine_deltas(after, before, "upgraded") == [0, 0]
     slots = engine_counter(before, "total_kv_slots")[0]
     assert len(prompt) + len(ids) < slots  # one engine's bound, as without Flying
     assert ids == greedy_tokens(demo_model_dir, prompt, len(ids))
@@ -188,8 +175,7 @@ def test_every_layout_change_is_in_the_decision_log_and_replays(upgrade_server, 
     reproduces every decision in it."""
     if not any(x.get("kind") == "upgrade_join" for x in _logged(upgrade_server)):
         (prompt,) = prompts(1, 40, seed=151)
-        r = upgrade_server.post("/generate", _unbounded(prompt, 0), timeout=900)
-        assert r.status_code == 200, r.text
+        generated(upgrade_server, unbounded_payload(prompt, 0))
     before = wait_idle(upgrade_server)
     tp_then_dp(upgrade_server, *prompts(2, 40, seed=157), 2, 240, 8)
     dp_then_tp(upgrade_server, *prompts(2, 36, seed=163), 2, 240, 8)
