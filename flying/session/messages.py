@@ -25,6 +25,7 @@ import hashlib
 import hmac
 import os
 import secrets
+import sys
 import tempfile
 from dataclasses import dataclass
 from typing import Any
@@ -67,8 +68,12 @@ def mark(routing_key: str | None, degree: int, reason: str = "explicit") -> str:
 def upgrade_endpoint() -> str:
     """Where engines send ``Upgrade`` asks: an IPC address the DP controller's input
     socket binds besides SGLang's own, one per launch (named after this launch's secret,
-    which every process of the launch shares)."""
+    which every process of the launch shares). On Linux it is in the abstract socket
+    namespace (``@``): no file, so nothing is left behind in the temp directory however
+    the server ends; elsewhere a socket file there."""
     digest = hashlib.sha256(secret().encode()).hexdigest()[:16]
+    if sys.platform.startswith("linux"):
+        return f"ipc://@flying-{digest}-upgrade"
     return f"ipc://{tempfile.gettempdir()}/flying-{digest}-upgrade"
 
 

@@ -3,6 +3,8 @@ and the KV scatter from a member other than the leader."""
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 from collections import deque
 from types import SimpleNamespace
@@ -224,3 +226,30 @@ def test_a_member_parks_only_for_the_larger_group_around_its_own():
     assert not parking(Bind("f" * 12, 4, (4, 5, 6, 7), None, 0.0, "long", up))  # not around it
     dp_ask = Upgrade("a", 0, 0.0)
     assert not parking(Bind("f" * 12, 4, (0, 1, 2, 3), None, 0.0, "long", dp_ask))  # a DP ask
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="abstract sockets are Linux's")
+def test_the_upgrade_socket_leaves_no_file_behind(monkeypatch):
+    """The controller's ask socket is in Linux's abstract namespace: a server killed
+    any way leaves nothing in the temp directory (one file per launch piled up)."""
+    import tempfile
+
+    import zmq
+
+    from flying.session.messages import SECRET_ENV, upgrade_endpoint
+
+    monkeypatch.setenv(SECRET_ENV, "0123456789abcdef0123456789abcdef")
+    address = upgrade_endpoint()
+    before = set(os.listdir(tempfile.gettempdir()))
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    try:
+        pull.bind(address)
+        push.connect(address)
+        push.send(b"ask")
+        assert pull.recv() == b"ask"
+        assert set(os.listdir(tempfile.gettempdir())) - before == set()
+    finally:
+        push.close(0)
+        pull.close(0)
+        ctx.term()
