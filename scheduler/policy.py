@@ -38,10 +38,12 @@ it runs where its prompt fits and may grow to that place's limit.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from scheduler.costs import Costs
 from scheduler.layout_choice import Choice, LayoutChooser, SwitchCosts
+from scheduler.relayout import serving_other
 from scheduler.service import Slo
 from scheduler.slo import derive_slo, group_for_own_slo
 from scheduler.traffic import Traffic
@@ -328,21 +330,33 @@ class Policy:
         )
         return Decision("tp", found[0], found[1]) if found else None
 
-    def upgrade(self, holder: int, current: int = 1) -> Decision:
+    def upgrade(self, holder: int, current: int = 1,
+                busy: Mapping[int, int] | None = None) -> Decision:
         """Where a running request goes that outgrows engine ``holder`` (``current`` 1)
         or the TP-``current`` group ``holder`` leads: it has no max_new_tokens of its
         own and is within a few tokens of its limit there (``flying.session.upgrade``,
         ``regroup``). The smallest larger degree whose group holds more, formed around
         the holder (its aligned group, which contains the current one: rule 2, long
         context, applied mid-request); or where it is, ending at that limit (in DP as in
-        SGLang)."""
+        SGLang).
+
+        ``busy`` (engine rank -> degree of the group it serves now) skips a group one of
+        whose engines serves another group: its members would wait for that session
+        to end at the bind (the request's own group, which ends as it leaves, and a
+        session of the very group asked for, which takes it in, do not count)."""
         if self.config.policy == "manual":
             return Decision("dp", 1, "manual: only X-Flying-TP binds groups")
         now = self.node.capacity(current)
+        blocked = ""
         for m in self.node.degrees:
             if m > current and self.node.capacity(m) > now and holder < self.node.num_engines // m * m:
-                return Decision("tp", m, "long context")
+                other = serving_other(holder, m, current, busy or {})
+                if other is None:
+                    return Decision("tp", m, "long context")
+                blocked = blocked or f"TP-{m}: engine {other} serves another group now"
         where = "one engine" if current == 1 else f"its TP-{current} group"
+        if blocked:
+            return Decision("dp", 1, f"no TP group holds more than {where} now ({blocked})")
         return Decision("dp", 1, f"no TP group holds more than {where} ({now} tokens)")
 
     @staticmethod

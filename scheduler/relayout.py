@@ -10,6 +10,8 @@ member and offline.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 #: Tokens a TP session reserves beyond prompt + max_new_tokens: SGLang's admission keeps
 #: one page per request and one slot of headroom (strict ``<``) free.
 ADMISSION_SLACK = 4
@@ -81,3 +83,15 @@ def upgrade_total(rows: list[list[int]], src: int, per_slot: int, engine_slots: 
     kv, prompt, bound = rows[src][:3]
     total = new_total(min(r[3] for r in rows), per_slot, engine_slots, context_limit)
     return total if kv > 0 and total - prompt > bound else 0
+
+
+def serving_other(holder: int, m: int, current: int, busy: Mapping[int, int]) -> int | None:
+    """An engine of the TP-``m`` group around ``holder`` that serves a group other than
+    that one and the holder's own TP-``current`` group (``busy``: rank -> degree), or None."""
+    want = holder // m * m
+    own = holder // current * current if current > 1 else -1
+    for r in range(want, want + m):
+        d = busy.get(r, 1)
+        if d > 1 and (r // d * d, d) not in ((want, m), (own, current)):
+            return r
+    return None

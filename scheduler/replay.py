@@ -62,12 +62,14 @@ def record(
     return json.dumps(doc)
 
 
-def record_upgrade(holder: int, decision: Decision, from_degree: int = 1, **context) -> str:
+def record_upgrade(holder: int, decision: Decision, from_degree: int = 1,
+                   busy: dict[int, int] | None = None, **context) -> str:
     """One upgrade line: engine ``holder`` asked for a group for a running request it
-    holds at degree ``from_degree`` (``context``: its id, the time) and
-    ``Policy.upgrade(holder, from_degree)`` answered ``decision``."""
+    holds at degree ``from_degree`` (``context``: its id, the time), ``busy`` engines
+    served groups, and ``Policy.upgrade(holder, from_degree, busy)`` answered ``decision``."""
     return json.dumps({"kind": "upgrade", **context, "holder": holder,
-                       "from_degree": from_degree, "decision": asdict(decision)})
+                       "from_degree": from_degree, "busy": {str(r): d for r, d in (busy or {}).items()},
+                       "decision": asdict(decision)})
 
 
 PLACE = "place"
@@ -101,7 +103,8 @@ class _Placer:
         return Decision(**ev["decision"]), got
 
     def upgrade(self, ev: dict) -> tuple[Decision, Decision]:
-        got = self.policy.upgrade(int(ev["holder"]), int(ev.get("from_degree", 1)))
+        busy = {int(r): int(d) for r, d in (ev.get("busy") or {}).items()}
+        got = self.policy.upgrade(int(ev["holder"]), int(ev.get("from_degree", 1)), busy)
         return Decision(**ev["decision"]), got
 
 

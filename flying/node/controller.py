@@ -160,12 +160,27 @@ def upgrade_binds_for(controller, ask: Upgrade) -> list[tuple[int, Bind]]:
     policy = _policy(controller)
     if issuer is None or policy is None or not _groups_open(controller):
         return []
-    decision = policy.upgrade(ask.holder, ask.from_degree)
-    _decision_log(controller).upgrade(ask.rid, ask.holder, decision, ask.from_degree)
+    busy = _serving(controller)
+    decision = policy.upgrade(ask.holder, ask.from_degree, busy)
+    _decision_log(controller).upgrade(ask.rid, ask.holder, decision, ask.from_degree, busy)
     if decision.mode != "tp":
         logger.info("flying: request %s stays on engine %d: %s", ask.rid, ask.holder, decision.reason)
         return []
     return issuer.upgrade_binds(ask, decision.degree)
+
+
+def _serving(controller) -> dict[int, int]:
+    """Engine rank -> degree of the group it serves now (engines in DP left out), from
+    the statuses engines publish at every bind and release; {} if unreadable."""
+    from flying.session import status
+
+    try:
+        doc = status.read_all(_store(controller), controller.server_args.dp_size)
+        return {int(e["rank"]): int(e["degree"]) for e in doc["engines"]
+                if int(e.get("degree") or 1) > 1}
+    except Exception:  # noqa: BLE001 - advice only: the bind waits as before
+        logger.exception("flying: could not read the engines' modes")
+        return {}
 
 
 def _note_arrival(controller, req) -> None:

@@ -135,12 +135,14 @@ class DecisionLog:
         except (TypeError, ValueError):
             logger.exception("flying: decision log write failed")
 
-    def upgrade(self, rid: str, holder: int, decision, from_degree: int = 1) -> None:
+    def upgrade(self, rid: str, holder: int, decision, from_degree: int = 1,
+                busy: dict[int, int] | None = None) -> None:
         """The policy's answer to engine ``holder``'s ask to take request ``rid`` into a
-        (larger) group (``Policy.upgrade``)."""
+        (larger) group (``Policy.upgrade``), with the engines that served groups."""
         if self._out is None:
             return
         try:
-            self._out.line(record_upgrade(holder, decision, from_degree, rid=rid, t=time.time()))
+            self._out.line(record_upgrade(holder, decision, from_degree, busy, rid=rid,
+                                          t=time.time()))
         except (TypeError, ValueError):
             logger.exception("flying: decision log write failed")

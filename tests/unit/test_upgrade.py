@@ -110,6 +110,26 @@ def test_a_group_s_request_goes_to_the_larger_group_around_it():
     assert Policy(PolicyConfig(), six).upgrade(4, current=2).mode == "dp"  # no aligned TP-4
 
 
+def test_a_group_whose_engines_serve_another_group_is_not_asked_for():
+    """Its members would wait in the bind for that other session to end (their DP work
+    with them): the request stays where it is. Its own group and a session of the
+    group asked for (which takes it in) do not block."""
+    node = Node(4, (2, 4), engine_capacity=395, engine_slots=400, group_slack=4)
+    policy = Policy(PolicyConfig(), node)
+    other = policy.upgrade(0, current=2, busy={0: 2, 1: 2, 2: 2, 3: 2})
+    assert other.mode == "dp" and "engine 2 serves another group" in other.reason
+    own = policy.upgrade(0, current=2, busy={0: 2, 1: 2})
+    assert (own.mode, own.degree) == ("tp", 4)
+    assert policy.upgrade(1, busy={0: 2, 1: 2}).degree == 2  # its group's session takes it
+    # engine 0 serves the TP-4 group: not TP-2 {0, 1}, but the TP-4 session takes it in
+    into_tp4 = policy.upgrade(1, busy={0: 4, 1: 4, 2: 4, 3: 4})
+    assert (into_tp4.mode, into_tp4.degree) == ("tp", 4)
+    two = Node(4, (2,), engine_capacity=395, engine_slots=400, group_slack=4)
+    blocked = Policy(PolicyConfig(), two).upgrade(1, busy={0: 4})
+    assert blocked.mode == "dp" and "engine 0" in blocked.reason
+    assert policy.upgrade(3, busy={0: 2, 1: 2}).degree == 2  # the other pair is free
+
+
 def test_a_group_lets_it_grow_to_what_every_member_can_give():
     assert upgrade.new_total(400, 2, 400, 8191) == 800 - ADMISSION_SLACK
     assert upgrade.new_total(250, 2, 400, 8191) == 500 - ADMISSION_SLACK  # a busy member
