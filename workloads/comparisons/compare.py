@@ -140,7 +140,7 @@ def run_one(
     else:
         try:
             log(f"{name}: ready in {result.ready_s:.1f} s; replaying {len(trace)} requests")
-            start = time.monotonic()
+            start, result.replay_wall_s = time.monotonic(), time.time()
             result.records = asyncio.run(
                 run_trace(trace, server.url, seed=seed, overall_timeout=timeout_s,
                           progress=sys.stderr.isatty())

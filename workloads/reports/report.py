@@ -59,6 +59,9 @@ class RunResult:
     started: str = ""
     ready_s: float | None = None
     replay_s: float | None = None
+    #: time.time() when the replay started (the records' run clock is ~0 there): lines
+    #: up request records with the server's logs and decision log
+    replay_wall_s: float | None = None
     load_before: list[float] | None = None
     error: str | None = None
     log_tail: str = ""
