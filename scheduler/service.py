@@ -93,12 +93,17 @@ class Prediction:
     goodput: float  # req/s within both SLOs
     throughput: float  # output tok/s
     saturated: bool
+    #: predicted p95 and p99 inter-token gap (ms) of a running request (``gap_tails``),
+    #: the worst over the layout's servers
+    itl_tails_ms: tuple[float, float] = (0.0, 0.0)
 
     def brief(self) -> dict:
         return {
             "goodput": round(self.goodput, 3), "ttft_ms": round(self.ttft_ms, 1),
             "tpot_ms": round(self.tpot_ms, 2), "tok_s": round(self.throughput, 1),
             "saturated": self.saturated,
+            "itl_p95_ms": round(self.itl_tails_ms[0], 1),
+            "itl_p99_ms": round(self.itl_tails_ms[1], 1),
         }
 
 
@@ -109,6 +114,24 @@ class _Server:
     goodput: float
     throughput: float
     saturated: bool
+    tails: tuple[float, float] = (0.0, 0.0)  # ``gap_tails``
+
+
+#: The inter-token gap quantiles a layout's tail is predicted at (``gap_tails``).
+TAIL_QUANTILES = (0.95, 0.99)
+
+
+def gap_tails(lam: float, tpot: float, step: float, pre: float) -> tuple[float, float]:
+    """Predicted p95 and p99 inter-token gap (ms) of a running request on a server that
+    takes ``lam`` req/s, decodes a step in ``step`` ms (``tpot`` with prefill pauses)
+    and prefills a prompt in ``pre`` ms. Every arrival's prefill pauses every running
+    request of its server (SGLang runs a prefill as its own step), so a share
+    ``lam * tpot`` of a request's gaps holds a prefill: a quantile within the rest is a
+    decode step, one beyond it a step plus a prefill. So one group taking every arrival
+    has a longer tail than DP engines splitting them, at the same rate, even where its
+    prefill is faster."""
+    share = lam * tpot / 1000.0
+    return tuple(step if share < 1.0 - q else step + pre for q in TAIL_QUANTILES)  # type: ignore[return-value]
 
 
 def _batch(costs: Costs, degree: int, lam: float, out: float, free: float, cap: float):
@@ -165,7 +188,7 @@ def _server(
         slack = slo.ttft_ms - (step / 2.0 + backlog + pre)
         p_ttft = 0.0 if slack < 0 else 1.0 - rho * math.exp(-(1.0 - rho) * slack / max(pre, 1e-6))
         good = lam * p_ttft * _tpot_factor(tpot, slo.tpot_ms)
-        return _Server(ttft, tpot, good, lam * out, False)
+        return _Server(ttft, tpot, good, lam * out, False, gap_tails(lam, tpot, step, pre))
     at_mu = _serve(costs, degree, mu * 0.999, prompt, out, cap) if mu > 0 else None
     if at_mu is None:  # cannot serve even one request at a time
         return _Server(math.inf, math.inf, 0.0, 0.0, True)
@@ -177,7 +200,7 @@ def _server(
     share = min(1.0, meet_s / horizon_s)
     ttft = base + 1000.0 * growth * horizon_s / 2.0  # the mean over the phase
     good = lam * share * _tpot_factor(tpot, slo.tpot_ms)
-    return _Server(ttft, tpot, min(good, mu), mu * out, True)
+    return _Server(ttft, tpot, min(good, mu), mu * out, True, (step + pre, step + pre))
 
 
 def predict(
@@ -212,6 +235,7 @@ def predict(
         goodput=sum(r.goodput for r in results),
         throughput=sum(r.throughput for r in results),
         saturated=any(r.saturated for r in results),
+        itl_tails_ms=tuple(max(r.tails[i] for r in results) for i in range(2)),  # type: ignore[arg-type]
     )
 
 

@@ -239,9 +239,32 @@ def test_latency_picks_a_group_at_light_load_only():
     assert chooser._best(busy, 64) == tp  # latency alone would take the group
 
 
+def test_latency_never_takes_a_group_whose_gaps_tail_beyond_dp():
+    """One group pauses every running request for each arrival's prefill; DP engines
+    split the arrivals. Where that makes the group's p99 gap a prefill pause and DP's a
+    decode step (the hidden-1024 model at 0.6 req/s: TTFT p50 0.55x DP, ITL p99 2.8x),
+    a latency tie stays with DP; at a rate where the group's p99 is a decode step too,
+    the group wins it."""
+    from scheduler.service import gap_tails
+
+    assert gap_tails(0.5, 20.0, 18.0, 100.0) == (18.0, 18.0)  # 1 % of gaps: a step
+    assert gap_tails(1.0, 20.0, 18.0, 100.0) == (18.0, 118.0)  # 2 %: p99 a pause
+    assert gap_tails(3.0, 20.0, 18.0, 100.0) == (118.0, 118.0)  # 6 %: p95 too
+    chooser = LayoutChooser(2, (2,), 10.0, 0.10, 4096)
+    slo = derive_slo(PolicyConfig(), TP_LIGHT, (2,), 128)
+    dp, tp = Layout((1, 1)), Layout((2,))
+    for rate, want in ((0.15, tp), (0.45, dp)):
+        preds = chooser.predict_all(TP_LIGHT, Traffic(0, rate, rate, 128, 64, 30, 100), 0, slo)
+        assert preds[dp].goodput == pytest.approx(preds[tp].goodput, rel=0.01)
+        assert preds[tp].ttft_ms < preds[dp].ttft_ms and preds[tp].tpot_ms < preds[dp].tpot_ms
+        assert chooser._best(preds, 64, TP_LIGHT, rate) == want, (rate, preds)
+    assert preds[tp].itl_tails_ms[1] > 1.05 * preds[dp].itl_tails_ms[1]
+
+
 def test_a_switch_costing_more_than_it_gains_is_not_taken():
     dear = SwitchCosts(bind_ms=2.0, move_ms_per_ktok=1e6)  # moving KV: ~forever
-    trace = _run(TP_LIGHT, BURSTY, switch=dear)
+    # quiet enough (0.15 req/s) that one group's tail is no longer than DP's
+    trace = _run(TP_LIGHT, [(30.0, 0.15), (10.0, 6.0), (30.0, 0.15)], switch=dear)
     # the quiet start has nothing running (free to group); under the burst, leaving
     # the group would move the running requests' KV at that price: not taken
     assert _during(trace, 30, 40) == {"1xTP2"}
