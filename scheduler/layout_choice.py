@@ -53,14 +53,16 @@ MIN_BAND = 0.01
 #: Light load: a rate at most this share of a layout's capacity. Only then may latency
 #: pick a layout with groups over an equal goodput without them.
 LIGHT = 0.5
-#: Latency picks a layout with groups only where its predicted p95 and p99 inter-token
-#: gaps are at most this multiple of DP's (``Prediction.itl_tails_ms``).
+#: Latency picks a layout with groups only where its predicted p99 inter-token gap is
+#: at most this multiple of DP's (``Prediction.itl_tails_ms``).
 TAIL_TOLERANCE = 1.05
 
 
 def _tails_within(lay: Prediction, dp: Prediction) -> bool:
-    """A layout's predicted inter-token tails within ``TAIL_TOLERANCE`` of DP's."""
-    return all(t <= TAIL_TOLERANCE * d for t, d in zip(lay.itl_tails_ms, dp.itl_tails_ms, strict=True))
+    """A layout's predicted p99 inter-token gap within ``TAIL_TOLERANCE`` of DP's (the
+    p99: where one group's shared prefill pauses show first; its p95 follows at rates
+    the latency rule already leaves to DP)."""
+    return lay.itl_tails_ms[1] <= TAIL_TOLERANCE * dp.itl_tails_ms[1]
 
 
 def _sig2(x: float) -> float:
@@ -170,13 +172,17 @@ class LayoutChooser:
         if not keeping_up:
             return max(equal, key=lambda lay: (preds[lay].throughput, -lay.groups))
         if costs is not None:
-            dp = preds.get(self.candidates[0])
             fast = [lay for lay in keeping_up if not lay.groups or (
                 (costs.gain(lay.tp_degree) or -1.0) >= self.latency_gain
                 and rate <= LIGHT * self.capacity(lay)
-                and (dp is None or _tails_within(preds[lay], dp)))]
+                and not self._tails_over(lay, preds))]
             keeping_up = fast or keeping_up
         return min(keeping_up, key=lambda lay: (self._latency(lay, preds[lay], output), lay.groups))
+
+    def _tails_over(self, lay: Layout, preds: dict[Layout, Prediction]) -> bool:
+        """A layout with groups whose predicted gap tails exceed DP's (``_tails_within``)."""
+        dp = preds.get(self.candidates[0])
+        return bool(lay.groups) and dp is not None and not _tails_within(preds[lay], dp)
 
     def choose(self, now: float, costs: Costs, traffic: Traffic, running: int, queued: int,
                slo: Slo, switch: SwitchCosts) -> Choice:
@@ -212,6 +218,12 @@ class LayoutChooser:
                               "not better across the rate's uncertainty)", briefs)
             worth = gain * self.horizon_s > delayed * min(1.0, cost_ms / slo.ttft_ms)
             kind = f"goodput {new.goodput:.2f} vs {cur.goodput:.2f} req/s"
+        elif (tie and not (cur.saturated or new.saturated)  # light load: its gaps decide
+              and traffic.rate <= LIGHT * self.capacity(self.current)
+              and self._tails_over(self.current, preds)):
+            worth = True
+            kind = (f"ITL p99 {cur.itl_tails_ms[1]:.0f} vs "
+                    f"{preds[self.candidates[0]].itl_tails_ms[1]:.0f} ms in DP")
         elif not tie or new.goodput < cur.goodput:  # not for less goodput
             return Choice(self.current, f"goodput: keep {cur.layout} (within "
                           f"{GOODPUT_MARGIN:.0%} of {best.name})", briefs)
