@@ -89,6 +89,12 @@ PATCHES: tuple[Patch, ...] = (
         "contain a failed TP step's output processing",
     ),
     Patch(
+        "sglang.srt.managers.scheduler.Scheduler.maybe_sleep_on_idle",
+        "around",
+        "sglang_patches.scheduler:maybe_sleep_on_idle",
+        "no idle sleep (--sleep-on-idle: up to 1 s) while Flying holds work: a bind, input",
+    ),
+    Patch(
         "sglang.srt.managers.scheduler.Scheduler.init_req_max_new_tokens",
         "around",
         "sglang_patches.scheduler:init_req_max_new_tokens",

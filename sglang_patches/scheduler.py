@@ -11,6 +11,9 @@ runtime object (``flying.session.engine.FlyingEngine``), which calls the origina
 - ``get_next_batch_to_run`` (around): the step boundary: start a pending bind, and
   choose this step's batch: the group's next TP batch or one DP step between two.
 - ``run_batch`` / ``process_batch_result`` (around): contain a TP step's failure.
+- ``maybe_sleep_on_idle`` (around): SGLang's idle sleep (``--sleep-on-idle``: a poll of
+  its sockets up to 1 s) only when Flying holds no work for the engine either: a bind
+  it took off the socket, input deferred, a session or a parked request.
 - ``init_req_max_new_tokens`` (around): note a request that came without a bound of
   its own (it may outgrow the engine into a group: ``flying.session.upgrade``).
 """
@@ -51,6 +54,13 @@ def process_batch_result(original, scheduler, batch, result, *args, **kwargs):
     if engine is None or args or kwargs:
         return original(scheduler, batch, result, *args, **kwargs)
     return engine.process_batch_result(scheduler, original, batch, result)
+
+
+def maybe_sleep_on_idle(original, scheduler, *args, **kwargs):
+    engine = get_engine()
+    if engine is not None and engine.holds_work:
+        return None
+    return original(scheduler, *args, **kwargs)
 
 
 def init_req_max_new_tokens(original, scheduler, req, *args, **kwargs):

@@ -105,6 +105,15 @@ class FlyingEngine(Lifecycle, Drain):
         return self.session.mode if self.session is not None else DP
 
     @property
+    def holds_work(self) -> bool:
+        """Work SGLang's queues do not show: a bind taken off the socket, input deferred
+        to the next boundary, a session, or a request parked between two groups. SGLang
+        must not sleep on idle (``--sleep-on-idle`` polls its sockets up to 1 s, and
+        this work is no longer on them)."""
+        return bool(self.pending or self.deferred or self.session is not None
+                    or self.parked is not None)
+
+    @property
     def in_dp_state(self) -> bool:
         """SGLang's scheduler holds this engine's DP state (not a session's TP state)."""
         s = self.session

@@ -144,6 +144,8 @@ def gather(engine, scheduler, bind, member, faults=None) -> join.Joining | None:
         log = {**layout_log.about(bind, engine.dp_rank), "rid": up.rid, "holder": up.holder,
                "from_degree": up.from_degree, "rows": rows, "per_slot": limits[0],
                "engine_slots": limits[1], "context_limit": limits[2], "total": total}
+        if parked is not None:  # how long it has waited since it left its group
+            log["parked_ms"] = round((time.perf_counter() - parked.t) * 1e3, 3)
     agreed = 0
     if total:  # the same on every member (shared rows): all reserve and agree, or none
         room = tp_scope.dp_room(scheduler)
