@@ -39,7 +39,6 @@ import torch
 from flying.session import join, layout_log, move, tp_scope, upgrade
 from flying.session.budget import ADMISSION_SLACK
 from flying.substrate import kv_relayout
-from scheduler.relayout import upgrade_total
 
 logger = logging.getLogger(__name__)
 
@@ -133,19 +132,12 @@ def gather(engine, scheduler, bind, member, faults=None) -> join.Joining | None:
     prompt = len(req.origin_input_ids) if req is not None else 0
     bound = req.sampling_params.max_new_tokens if req is not None else 0
     room = max(0, tp_scope.dp_room(scheduler) - upgrade.dp_needs(scheduler))
-    rows = member.gather_ints([n, prompt, bound, room])
+    rows, total, log = upgrade.share_growth(engine, scheduler, bind, member,
+                                            [n, prompt, bound, room])
     n, prompt, bound = rows[src][:3]
     per_slot = engine.prepared[bind.degree].per_slot
-    limits = (per_slot, int(scheduler.max_total_num_tokens),
-              int(scheduler.model_config.context_len) - 1)
-    total = upgrade_total(rows, src, *limits)
-    log = None
-    if layout_log.enabled():
-        log = {**layout_log.about(bind, engine.dp_rank), "rid": up.rid, "holder": up.holder,
-               "from_degree": up.from_degree, "rows": rows, "per_slot": limits[0],
-               "engine_slots": limits[1], "context_limit": limits[2], "total": total}
-        if parked is not None:  # how long it has waited since it left its group
-            log["parked_ms"] = round((time.perf_counter() - parked.t) * 1e3, 3)
+    if log is not None and parked is not None:  # how long it waited since it left its group
+        log["parked_ms"] = round((time.perf_counter() - parked.t) * 1e3, 3)
     agreed = 0
     if total:  # the same on every member (shared rows): all reserve and agree, or none
         room = tp_scope.dp_room(scheduler)

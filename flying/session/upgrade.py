@@ -123,17 +123,9 @@ def gather(engine, scheduler, bind: Bind, member, faults=None) -> join.Joining |
     # The holder's request frees its own n slots when it leaves DP; every member keeps
     # what its other running DP requests may still need.
     room = max(0, tp_scope.dp_room(scheduler) + n - dp_needs(scheduler, req))
-    rows = member.gather_ints([n, prompt, bound, room])
+    rows, total, log = share_growth(engine, scheduler, bind, member, [n, prompt, bound, room])
     n, prompt, bound = rows[src][:3]
     per_slot = engine.prepared[bind.degree].per_slot
-    limits = (per_slot, int(scheduler.max_total_num_tokens),
-              int(scheduler.model_config.context_len) - 1)
-    total = upgrade_total(rows, src, *limits)  # ``new_total`` if it grows, else 0
-    log = None
-    if layout_log.enabled():
-        log = {**layout_log.about(bind, engine.dp_rank), "rid": up.rid, "holder": up.holder,
-               "rows": rows, "per_slot": limits[0], "engine_slots": limits[1],
-               "context_limit": limits[2], "total": total}
     if not total:
         if log is not None:
             layout_log.write("upgrade_join", log)
@@ -165,6 +157,24 @@ def gather(engine, scheduler, bind: Bind, member, faults=None) -> join.Joining |
         up.rid, bind.degree, total, prompt + bound,
     )
     return joining
+
+
+def share_growth(engine, scheduler, bind: Bind, member, mine: list[int]):
+    """Every member of an upgrade's group: share ``mine`` (``[kv, prompt, bound, room]``,
+    the request's three from its source only) and compute how far the request may grow
+    there (``upgrade_total``: 0 if not beyond its bound). Returns (the members' rows,
+    the total, the decision log's line or None without a log)."""
+    up = bind.upgrade
+    rows = member.gather_ints(mine)
+    limits = (engine.prepared[bind.degree].per_slot, int(scheduler.max_total_num_tokens),
+              int(scheduler.model_config.context_len) - 1)
+    total = upgrade_total(rows, bind.ranks.index(up.holder), *limits)
+    log = None
+    if layout_log.enabled():
+        log = {**layout_log.about(bind, engine.dp_rank), "rid": up.rid, "holder": up.holder,
+               "from_degree": up.from_degree, "rows": rows, "per_slot": limits[0],
+               "engine_slots": limits[1], "context_limit": limits[2], "total": total}
+    return rows, total, log
 
 
 def _running(scheduler, rid: str):
