@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from workloads.measure.server import Server
+from workloads.measure.server import PortInUse, Server
 
 #: KV slots per engine in the shared server; small so "too long" prompts are cheap.
 MAX_TOTAL_TOKENS = 2048
@@ -26,10 +26,22 @@ def demo_model_dir() -> Path:
 
 
 def serve(log: Path, *args: str, env: dict[str, str] | None = None) -> Iterator[Server]:
-    """A ``python -m flying.launch`` server with ``args`` for a fixture (``yield from``)."""
-    server = Server(list(args), log, env=env)
+    """A ``python -m flying.launch`` server with ``args`` for a fixture (``yield from``).
+    Started again on another port if its port was taken before it bound it (a race of
+    ``free_port`` with other processes' ephemeral sockets, not the system under test)."""
+    for attempt in range(3):
+        server = Server(list(args), log, env=env)
+        try:
+            server.wait_ready()
+            break
+        except PortInUse:
+            server.stop()
+            if attempt == 2:
+                raise
+        except BaseException:
+            server.stop()
+            raise
     try:
-        server.wait_ready()
         yield server
     finally:
         server.stop()

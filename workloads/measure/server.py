@@ -39,6 +39,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+#: What SGLang's HTTP server logs when its port was taken between ``free_port`` and its
+#: bind (another process's ephemeral socket); the process tree then stays up unserved.
+BIND_FAILED = "error while attempting to bind on address"
+
+
+class PortInUse(RuntimeError):
+    """The server's HTTP port was taken before it bound it: start it again elsewhere."""
+
+
 class Server:
     """One ``flying.node.launch`` process tree on 127.0.0.1, started on construction."""
 
@@ -76,6 +85,8 @@ class Server:
                 raise RuntimeError(
                     f"server exited with code {self.proc.returncode}:\n{self.log_tail()}"
                 )
+            if BIND_FAILED in self.log():
+                raise PortInUse(f"port {self.port} was taken before the server bound it")
             try:
                 if requests.get(self.url + "/health_generate", timeout=10).status_code == 200:
                     return time.monotonic() - start
@@ -168,6 +179,10 @@ def start_server(
             code = server.proc.poll()
             tail = server.log_tail(30)
             server.stop()
+            if isinstance(exc, PortInUse) and port is None and attempt < retries:
+                if on_retry is not None:
+                    on_retry(f"{exc}; retrying on another port")
+                continue
             if code is None or code >= 0 or attempt == retries:
                 raise ServerFailed(str(exc).split("\n", 1)[0], tail) from exc
             if on_retry is not None:
