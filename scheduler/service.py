@@ -96,6 +96,10 @@ class Prediction:
     #: predicted p95 and p99 inter-token gap (ms) of a running request (``gap_tails``),
     #: the worst over the layout's servers
     itl_tails_ms: tuple[float, float] = (0.0, 0.0)
+    #: the largest decode batch a group of the layout is predicted to run (0: no
+    #: groups), which its degree's measured curve may or may not reach
+    #: (``LayoutChooser``'s measured reach)
+    group_batch: float = 0.0
 
     def brief(self) -> dict:
         return {
@@ -104,6 +108,7 @@ class Prediction:
             "saturated": self.saturated,
             "itl_p95_ms": round(self.itl_tails_ms[0], 1),
             "itl_p99_ms": round(self.itl_tails_ms[1], 1),
+            "group_batch": round(self.group_batch, 1),
         }
 
 
@@ -115,6 +120,7 @@ class _Server:
     throughput: float
     saturated: bool
     tails: tuple[float, float] = (0.0, 0.0)  # ``gap_tails``
+    batch: float = 0.0  # the decode batch it runs (at its capacity when saturated)
 
 
 #: The inter-token gap quantiles a layout's tail is predicted at (``gap_tails``).
@@ -192,11 +198,11 @@ def _server(
         slack = slo.ttft_ms - (step / 2.0 + backlog + pre)
         p_ttft = 0.0 if slack < 0 else 1.0 - rho * math.exp(-(1.0 - rho) * slack / max(pre, 1e-6))
         good = lam * p_ttft * _tpot_factor(tpot, slo.tpot_ms)
-        return _Server(ttft, tpot, good, lam * out, False, gap_tails(lam, tpot, step, pre))
+        return _Server(ttft, tpot, good, lam * out, False, gap_tails(lam, tpot, step, pre), b)
     at_mu = _serve(costs, degree, mu * 0.999, prompt, out, cap) if mu > 0 else None
     if at_mu is None:  # cannot serve even one request at a time
         return _Server(math.inf, math.inf, 0.0, 0.0, True)
-    pre, rho, _, step = at_mu
+    pre, rho, b, step = at_mu
     tpot = step / (1.0 - rho)
     base = step / 2.0 + pre + queued * pre
     growth = max(1e-6, (lam - mu) / mu)  # seconds of wait added per second of the phase
@@ -204,7 +210,7 @@ def _server(
     share = min(1.0, meet_s / horizon_s)
     ttft = base + 1000.0 * growth * horizon_s / 2.0  # the mean over the phase
     good = lam * share * _tpot_factor(tpot, slo.tpot_ms)
-    return _Server(ttft, tpot, min(good, mu), mu * out, True, (step + pre, step + pre))
+    return _Server(ttft, tpot, min(good, mu), mu * out, True, (step + pre, step + pre), b)
 
 
 def predict(
@@ -240,6 +246,8 @@ def predict(
         throughput=sum(r.throughput for r in results),
         saturated=any(r.saturated for r in results),
         itl_tails_ms=tuple(max(r.tails[i] for r in results) for i in range(2)),  # type: ignore[arg-type]
+        group_batch=max((r.batch for d, r in zip(layout.servers, results, strict=True) if d > 1),
+                        default=0.0),
     )
 
 

@@ -337,6 +337,38 @@ def test_an_overload_takes_the_layout_that_serves_the_most():
     assert choice.layout == dp and "throughput" in choice.reason, choice.reason
 
 
+def _measured_to(costs: Costs, batch: float) -> Costs:
+    """``costs`` with the TP-2 decode curve cut to the points up to ``batch``."""
+    tp = costs.curves[2]
+    return Costs(costs.decode_ms, {
+        1: costs.curves[1], 2: Curve(tuple(p for p in tp.decode if p[0] <= batch), tp.prefill),
+    })
+
+
+def test_a_group_is_switched_to_only_within_reach_of_the_batches_it_was_measured_at():
+    """Beyond its measured points a group's curve is a guess (DP's shape through its
+    last point): a node in DP does not form a group that only that guess says keeps
+    up, and one already in the group stays while it measures larger batches."""
+    traffic = Traffic(0, 4.0, 4.0, 128, 64, n_short=100, n_long=300)
+    dp, tp = Layout((1, 1)), Layout((2,))
+    short, wide = _measured_to(TP_ALWAYS, 4), _measured_to(TP_ALWAYS, 16)
+    assert short.measured_batch(2) == 4 and wide.measured_batch(2) == 16
+    chooser = LayoutChooser(2, (2,), 10.0, 0.1, 4096)
+    preds = chooser.predict_all(short, traffic, 0, SLO)
+    assert preds[tp].goodput > 10 * preds[dp].goodput  # the guess: the group keeps up
+    assert preds[tp].group_batch > 2 * 4 and preds[dp].group_batch == 0
+    choice = chooser.choose(100.0, short, traffic, 8, 0, SLO, SwitchCosts())
+    assert choice.layout == dp, choice.reason
+    # measured to batch 16 the same prediction is within reach: the group is formed
+    choice = LayoutChooser(2, (2,), 10.0, 0.1, 4096).choose(
+        100.0, wide, traffic, 8, 0, SLO, SwitchCosts())
+    assert choice.layout == tp, choice.reason
+    # a node already in the group keeps it (it measures its larger batches as it runs)
+    chooser = LayoutChooser(2, (2,), 10.0, 0.1, 4096)
+    chooser.current = tp
+    assert chooser.choose(100.0, short, traffic, 8, 0, SLO, SwitchCosts()).layout == tp
+
+
 def test_goodput_decisions_replay_from_the_log():
     policy = Policy(PolicyConfig("adaptive").validate(), NODE)
     arrivals, lines, rng, t = Arrivals(), [], random.Random(5), 0.0
