@@ -356,7 +356,7 @@ def test_a_group_is_switched_to_only_within_reach_of_the_batches_it_was_measured
     chooser = LayoutChooser(2, (2,), 10.0, 0.1, 4096)
     preds = chooser.predict_all(short, traffic, 0, SLO)
     assert preds[tp].goodput > 10 * preds[dp].goodput  # the guess: the group keeps up
-    assert preds[tp].group_batch > 2 * 4 and preds[dp].group_batch == 0
+    assert 4 < preds[tp].group_batch <= 16 and preds[dp].group_batch == 0
     choice = chooser.choose(100.0, short, traffic, 8, 0, SLO, SwitchCosts())
     assert choice.layout == dp, choice.reason
     # measured to batch 16 the same prediction is within reach: the group is formed
