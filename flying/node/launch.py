@@ -16,6 +16,7 @@ import argparse
 import json
 import logging
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -209,6 +210,29 @@ def print_help() -> None:
     parser.print_help()
 
 
+def check_port_free(host: str | None, port: int) -> None:
+    """Exit with a clear error if the HTTP port cannot be bound now. SGLang starts its
+    engines first and binds the port last; where the port is taken it logs the failed
+    bind and its process tree stays up, serving nobody. A check before any process
+    starts catches the usual case (another server on the port); a port taken in the
+    minute between this check and SGLang's bind is not caught."""
+    host = host or "127.0.0.1"
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise SystemExit(f"error: --host {host!r} does not resolve: {exc}") from exc
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            raise SystemExit(
+                f"error: cannot serve on {host}:{port}: {exc.strerror or exc} "
+                "(another server on that port? choose one with --port)"
+            ) from exc
+
+
 def _banner(server_args) -> str:
     host = server_args.host or "127.0.0.1"
     url = f"http://{host}:{server_args.port}"
@@ -267,6 +291,7 @@ def main(argv: list[str] | None = None) -> None:
     from sglang.srt.utils import kill_process_tree
 
     server_args = prepare_server_args(sglang_argv)
+    check_port_free(server_args.host, server_args.port)
     from flying.node.node_name import with_node_name
 
     # Named before SGLang starts any process: every process reports the same name.

@@ -101,3 +101,21 @@ def test_help_renders_every_flag():
     text = parser.format_help()
     for flag, _default, _help in config.flag_reference():
         assert flag in text, flag
+
+
+def test_a_taken_http_port_stops_the_launcher_before_sglang_starts():
+    """SGLang binds its HTTP port last and stays up unserved where it is taken; the
+    launcher says so at once instead."""
+    import socket
+
+    from flying.node.launch import check_port_free
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(SystemExit, match=f"cannot serve on 127.0.0.1:{port}.*--port"):
+            check_port_free("127.0.0.1", port)
+    check_port_free("127.0.0.1", port)  # free again: no error
+    with pytest.raises(SystemExit, match="does not resolve"):
+        check_port_free("no-such-host.invalid", port)
