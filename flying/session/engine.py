@@ -45,6 +45,7 @@ from flying.session.group import DP, GroupSession, Mode, State
 from flying.session.lifecycle import Lifecycle
 from flying.session.messages import Bind
 from flying.session.overlap import PendingResult
+from flying.session.status_writer import StatusWriter
 from flying.session.step_costs import StepClock, sample_of
 from flying.substrate.comm_pool import CommPool
 
@@ -56,6 +57,8 @@ __all__ = ["DP", "FlyingEngine", "Mode", "get_engine", "set_engine"]
 DEFAULT_BIND_TIMEOUT_S = 30.0
 #: How often a busy engine (DP or in a session) refreshes its published status.
 STATUS_EVERY_S = 0.1
+#: How long an event's status publish waits for its writer before going on.
+STATUS_FLUSH_S = 2.0
 
 
 class FlyingEngine(Lifecycle, Drain):
@@ -99,6 +102,8 @@ class FlyingEngine(Lifecycle, Drain):
         self.result = PendingResult()
         self._status_at = 0.0
         self._published_busy = False
+        #: writes the status off this loop (``status_writer``); None: inline (tests)
+        self.status_out: StatusWriter | None = None
 
     @property
     def mode(self) -> Mode:
@@ -329,7 +334,15 @@ class FlyingEngine(Lifecycle, Drain):
         if force or changed or now - self._status_at >= STATUS_EVERY_S:
             self._status_at = now
             self._published_busy = busy
-            status.publish(self.pool.store, self.dp_rank, self, scheduler)
+            if self.status_out is None:
+                status.publish(self.pool.store, self.dp_rank, self, scheduler)
+                return
+            seq = self.status_out.submit(status.document(self.dp_rank, self, scheduler))
+            # An event (bind, release, drain) is in the store before the engine goes
+            # on, as when written inline; timed refreshes never wait.
+            if force and not self.status_out.flush(seq, STATUS_FLUSH_S):
+                logger.warning("flying: engine %d status not written in %.0f s",
+                               self.dp_rank, STATUS_FLUSH_S)
 
 
 def _has_dp_work(scheduler) -> bool:

@@ -1,8 +1,8 @@
 """Per-engine status published through the launcher's TCPStore, read by /flying/status.
 
 Engines write a small JSON document under ``flying/status/<rank>`` at startup, at
-every bind and release, and every ``STATUS_EVERY_S`` while a session runs; the HTTP
-process (which hosts the store) reads them. Inside a session the KV and row counts are
+every bind and release, and every ``STATUS_EVERY_S`` while busy (through a writer
+thread: ``status_writer``); the HTTP process (which hosts the store) reads them. Inside a session the KV and row counts are
 the session's (its reserved pool), so idle checks read them in DP mode. No extra
 socket, and a read never waits on a busy engine.
 """
@@ -26,6 +26,17 @@ def bucket_index(value: float, bounds: tuple[float, ...] = SWITCH_BUCKETS_MS) ->
 
 
 def publish(store, dp_rank: int, engine, scheduler=None) -> None:
+    """Write the engine's status now (start-up: before its writer thread runs)."""
+    store.set(key(dp_rank), document(dp_rank, engine, scheduler))
+
+
+def key(dp_rank: int) -> str:
+    return f"flying/status/{dp_rank}"
+
+
+def document(dp_rank: int, engine, scheduler=None) -> str:
+    """The engine's status as JSON, read on the engine's thread (its state is not
+    safe to read from another)."""
     doc = {
         "rank": dp_rank,
         "mode": str(engine.mode),
@@ -41,7 +52,7 @@ def publish(store, dp_rank: int, engine, scheduler=None) -> None:
         "curves": engine.clock.curves(),  # measured decode / prefill points, per degree
         **asdict(engine.counters),
     }
-    store.set(f"flying/status/{dp_rank}", json.dumps(doc))
+    return json.dumps(doc)
 
 
 def _kv_slots(scheduler) -> dict:
@@ -61,8 +72,8 @@ def read_all(store, num_engines: int) -> dict:
     engines = []
     for r in range(num_engines):
         try:
-            if store.check([f"flying/status/{r}"]):
-                engines.append(json.loads(store.get(f"flying/status/{r}")))
+            if store.check([key(r)]):
+                engines.append(json.loads(store.get(key(r))))
                 continue
         except RuntimeError:
             pass
