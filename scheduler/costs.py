@@ -126,6 +126,15 @@ class Costs:
         points = self._own(degree, "decode")
         return max((b for b, _ in points), default=0.0)
 
+    def decode_knots(self, degree: int) -> tuple[float, ...]:
+        """Batch sizes where ``decode(degree, .)`` may bend: its own points and, for a
+        TP mode (which grows as DP does outside its points), DP's. Between two knots,
+        below the first and beyond the last, the curve is linear in the batch."""
+        xs = {b for b, _ in self._own(degree, "decode")}
+        if degree != 1:
+            xs |= {b for b, _ in self._own(1, "decode")}
+        return tuple(sorted(xs))
+
     def _own(self, degree: int, kind: str) -> tuple[Point, ...]:
         curve = self.curves.get(degree)
         points = getattr(curve, kind) if curve is not None else ()

@@ -128,6 +128,48 @@ def test_service_model_saturates_and_goodput_follows_the_slo():
     assert tight is not None and tight.goodput == 0.0  # TPOT above its SLO: nothing counts
 
 
+def _bisected_capacity(costs: Costs, degree: int, prompt: float, out: float, cap: float) -> float:
+    """The capacity by its definition: the largest rate whose decode batch has a fixed
+    point within ``cap`` (``_serve`` not None), found by bisection."""
+    from scheduler.service import _serve
+
+    lo, hi = 0.0, 1.0
+    while _serve(costs, degree, hi, prompt, out, cap) is not None and hi < 1e6:
+        lo, hi = hi, hi * 2
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if _serve(costs, degree, mid, prompt, out, cap) is not None else (lo, mid)
+    return lo
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_capacity_is_the_highest_rate_a_server_serves(seed):
+    """The closed form (a few curve reads at its knots) equals the bisection over the
+    service model, on random measured curves: concave or convex, TP modes measured at
+    a few points only (DP's shape beyond them), any KV bound."""
+    from scheduler.service import _capacity
+
+    rng = random.Random(seed)
+
+    def points(n, start):
+        xs = sorted(rng.sample(range(1, 96), n))
+        ms, out = start, []
+        for x in xs:
+            ms += rng.uniform(0.0, 3.0) * rng.choice((0.2, 1.0, 4.0))
+            out.append((x, ms))
+        return out
+
+    costs = Costs(
+        {1: 10.0, 2: 7.0},
+        {1: Curve.of(points(rng.randint(2, 6), 8.0), [(128, 12.0), (1024, 90.0)]),
+         2: Curve.of(points(rng.randint(1, 3), 6.0), [(384, 30.0)])},
+    )
+    prompt, out, cap = rng.choice((64, 300, 900)), rng.choice((16, 128, 500)), rng.uniform(1, 150)
+    for degree in (1, 2):
+        assert _capacity(costs, degree, prompt, out, cap) == pytest.approx(
+            _bisected_capacity(costs, degree, prompt, out, cap), rel=2e-3)
+
+
 def test_layouts_mixed_only_on_four_or_more_engines():
     assert [lay.name for lay in layouts(2, (2,))] == ["2xDP", "1xTP2"]
     assert [lay.name for lay in layouts(4, (2, 4))] == [
