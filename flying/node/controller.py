@@ -300,8 +300,11 @@ def _adaptive_degree(controller, req) -> int:
 
 def _costs(controller) -> costs_reader.CostsReader:
     if getattr(controller, "_flying_costs", None) is None:
+        from flying.substrate.comm_pool import connect_store, store_address
+
+        address = store_address()
         controller._flying_costs = costs_reader.CostsReader(
-            _store(controller), controller.server_args.dp_size
+            lambda: connect_store(address), controller.server_args.dp_size
         )
     return controller._flying_costs
 

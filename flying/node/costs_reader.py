@@ -3,9 +3,10 @@
 ``CostsReader``: the engines publish their measured step costs per degree (the
 single-request decode step and the decode / prefill curve points) and their measured
 switch and move times in their status documents (``flying.session.step_costs``,
-``flying.session.counters``); the controller reads them at most every ``REFRESH_S``
-(one store read per engine) and hands the policy one ``Costs`` (per degree and curve
-point, the mean over the engines that measured it) and one ``SwitchCosts``.
+``flying.session.counters``); a thread of the controller re-reads them every
+``REFRESH_S`` (one store read per engine), off the controller's loop, and hands the
+policy one ``Costs`` (per degree and curve point, the mean over the engines that
+measured it) and one ``SwitchCosts``.
 
 ``DecisionLog``: with ``--flying-decision-log PATH`` the controller appends one JSON line
 per decision (request, loads, costs, decision with its reason) and per upgrade decision
@@ -18,7 +19,9 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 
 from flying.session import status
@@ -32,35 +35,56 @@ logger = logging.getLogger(__name__)
 
 #: How often the controller re-reads the engines' measured costs.
 REFRESH_S = 0.5
+#: How long the first decision waits for the first read of the costs.
+FIRST_READ_S = 2.0
 
 
 class CostsReader:
-    def __init__(self, store, num_engines: int):
-        self.store = store
-        self.num_engines = num_engines
-        self._costs: Costs | None = None
-        self._switch = SwitchCosts()
-        self._at = float("-inf")
+    """The engines' measured costs, refreshed every ``REFRESH_S`` by a daemon thread.
 
-    def _refresh(self) -> None:
-        now = time.monotonic()
-        if now - self._at < REFRESH_S:
-            return
-        self._at = now
-        try:
-            engines = status.read_all(self.store, self.num_engines)["engines"]
-            self._costs, self._switch = merge(engines), switch_costs(engines)
-        except Exception:  # noqa: BLE001 - costs unknown: the policy stays in DP
-            logger.exception("flying: could not read the engines' step costs")
-            self._costs = None
+    The reads are store round trips to the launcher process; done on the controller's
+    loop they held up the request that happened to arrive then, and every request
+    behind it, while the launcher waited for a core. ``connect`` builds the thread's
+    own store client (a TCPStore client is not shared between threads). ``read``
+    waits for the first refresh (at most ``FIRST_READ_S``), never after: a decision
+    uses costs at most one refresh old, as it did when it read them itself."""
+
+    def __init__(self, connect: Callable[[], object], num_engines: int):
+        self._connect = connect
+        self.num_engines = num_engines
+        #: (costs, switch costs), replaced whole: a reader sees one refresh's pair
+        self._state: tuple[Costs | None, SwitchCosts] = (None, SwitchCosts())
+        self._first = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="flying-costs", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        store, failing = None, False
+        while True:
+            try:
+                if store is None:
+                    store = self._connect()
+                engines = status.read_all(store, self.num_engines)["engines"]
+                self._state = (merge(engines), switch_costs(engines))
+                failing = False
+            except Exception:  # noqa: BLE001 - costs unknown: the policy stays in DP
+                if not failing:
+                    logger.exception("flying: could not read the engines' step costs")
+                store, failing = None, True
+                self._state = (None, self._state[1])
+            self._first.set()
+            time.sleep(REFRESH_S)
+
+    def _now(self) -> tuple[Costs | None, SwitchCosts]:
+        if not self._first.is_set():
+            self._first.wait(FIRST_READ_S)
+        return self._state
 
     def read(self) -> Costs | None:
-        self._refresh()
-        return self._costs
+        return self._now()[0]
 
     def switch(self) -> SwitchCosts:
-        self._refresh()
-        return self._switch
+        return self._now()[1]
 
 
 def _mean(values: list[float]) -> float:

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from flying.node import config, placement, placement_log, request_tags
+from flying.node import config, costs_reader, placement, placement_log, request_tags
 from flying.node import controller as flying_controller
 from flying.session import messages
 from scheduler.policy import Costs, Node, Policy, PolicyConfig, Request, least_loaded_group
@@ -498,6 +498,8 @@ class FakeController:
         self._flying_store = FakeStore()
         for r in range(len(loads)):
             self._flying_store.set(f"flying/status/{r}", json.dumps({"rank": r, "decode_ms": decode_ms}))
+        # the costs refresher's own store client, as ``controller._costs`` builds it
+        self._flying_costs = costs_reader.CostsReader(lambda: self._flying_store, len(loads))
         self.sent: list = []
         self.dispatched_dp: list = []
         flying_controller.attach(self)

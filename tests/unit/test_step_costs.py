@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -91,3 +92,47 @@ def test_boundary_label_measures_the_interval_between_boundaries(monkeypatch):
     clock.label(None, started)  # this step is not a sample
     clock.boundary()  # 1.030: nothing recorded
     assert clock.decode_ms() == {1: 10.0}
+
+
+class _StatusStore:
+    """The engines' status documents in a store; ``gate`` cleared: a launcher that
+    does not answer (every read waits)."""
+
+    def __init__(self, docs: dict[str, dict]):
+        import threading
+
+        self.docs = {k: json.dumps(v) for k, v in docs.items()}
+        self.gate = threading.Event()
+        self.gate.set()
+        self.reads = 0
+
+    def check(self, keys):
+        self.gate.wait(5)
+        self.reads += 1
+        return all(k in self.docs for k in keys)
+
+    def get(self, key):
+        return self.docs[key].encode()
+
+
+def test_the_controller_reads_costs_off_its_loop(monkeypatch):
+    """The decision reads the last refresh's costs without a store round trip: a
+    launcher that stops answering holds up the refresher thread, never ``read``."""
+    import time
+
+    from flying.node import costs_reader
+
+    monkeypatch.setattr(costs_reader, "REFRESH_S", 0.05)
+    doc = {"decode_ms": {"1": 10.0, "2": 7.0}, "curves": {"1": {"decode": [[1, 10.0], [4, 12.0]],
+                                                              "prefill": []}}}
+    store = _StatusStore({f"flying/status/{r}": {"rank": r, **doc} for r in (0, 1)})
+    reader = costs_reader.CostsReader(lambda: store, num_engines=2)
+    costs = reader.read()  # the first decision waits for the first refresh
+    assert costs is not None and costs.decode_ms == {1: 10.0, 2: 7.0}
+    assert costs.decode(1, 4) == pytest.approx(12.0)
+    store.gate.clear()
+    time.sleep(0.2)  # the refresher is now stuck in a read
+    start = time.monotonic()
+    assert reader.read() == costs and reader.switch() is not None
+    assert time.monotonic() - start < 0.05
+    store.gate.set()
