@@ -2,8 +2,9 @@
 
 Engines write a small JSON document under ``flying/status/<rank>`` at startup, at
 every bind and release, and every ``STATUS_EVERY_S`` while busy (through a writer
-thread: ``status_writer``); the HTTP process (which hosts the store) reads them. Inside a session the KV and row counts are
-the session's (its reserved pool), so idle checks read them in DP mode. No extra
+thread: ``status_writer``); the HTTP process (which hosts the store) reads them.
+Inside a session the KV and row counts are the session's (its reserved pool), so idle
+checks read them in DP mode. No extra
 socket, and a read never waits on a busy engine.
 """
 
