@@ -27,13 +27,21 @@ def test_cuda_views_share_storage_and_recompose_the_mlp(m):
     x = torch.randn(7, H, device="cuda", dtype=torch.bfloat16)
     full = mlp(x).float()
     before = torch.cuda.memory_allocated()
-    total = 0
+    parts = []
     for r in range(m):
         table = build_shards(model, m, r)
         assert all(shares_storage(v, f) for v, f in table.tensors())
         with tp_layers(table, reduce=lambda t: t):
-            total = total + mlp(x).float()
-    torch.testing.assert_close(total, full, rtol=2e-2, atol=2e-2)
+            parts.append(mlp(x).float())
+    # Each rank's partial sum is rounded to bf16 on its own (relative error 2^-8), and
+    # partials of unit-variance weights are larger than their sum where they cancel:
+    # bound the error by a few bf16 ulps of the terms, not of the result. A wrong view
+    # (a shard's rows or columns misplaced) misses by the size of the terms themselves.
+    total = sum(parts)
+    scale = sum(p.abs() for p in parts) + full.abs()
+    err = (total - full).abs()
+    assert (err <= 4 * 2**-8 * scale + 1e-3).all(), (err / scale).max()
+    assert (total - full).abs().mean() < 0.02 * full.abs().mean()
     assert torch.cuda.memory_allocated() - before < 1 << 20  # activations only
 
 

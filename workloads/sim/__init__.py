@@ -18,5 +18,7 @@ node does with each decision:
 - ``cli``: ``python -m workloads.simulate``; ``plots``: the figures (labelled simulated);
 - ``validate``: simulated vs measured for a ``workloads.compare`` run directory.
 
-Pure Python: no torch, no sockets. Modelling assumptions are listed in docs/SIMULATOR.md.
+Pure Python: no torch, no sockets (except ``gpu_measure``, run on a GPU host to time one
+rank's kernels; ``gpu_calibrate`` reads its output). Modelling assumptions are listed in
+docs/SIMULATOR.md.
 """

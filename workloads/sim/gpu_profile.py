@@ -35,6 +35,7 @@ from pathlib import Path
 from flying.substrate.layout import allowed_degrees
 from scheduler.costs import Costs, Curve
 from scheduler.layout_choice import SwitchCosts
+from workloads.sim.gpu_calibrate import MEASURED_DIR, Measured, calibrated, load_measured
 from workloads.sim.profile import PROFILES_DIR, Profile
 
 #: GPUs on one node (an HGX H100 / H200 board).
@@ -145,18 +146,19 @@ def _kv_share(model: Model, ranks: int) -> float:
     return 1.0 / min(ranks, model.kv_heads)
 
 
-def decode_ms(gpu: Gpu, model: Model, a: Assumed, ranks: int, batch: int) -> float:
+def decode_kernels_ms(gpu: Gpu, model: Model, a: Assumed, ranks: int, batch: int) -> float:
+    """One rank's GPU time of a decode step: ``max(memory, compute)``."""
     weights = (model.params - model.embedding) * BF16 / ranks
     kv = batch * a.decode_context * model.kv_bytes_per_token * _kv_share(model, ranks)
     memory = (weights + kv) / (gpu.hbm_bw * a.hbm_efficiency)
     per_token = 2 * (model.params - model.embedding) \
         + 4 * model.layers * a.decode_context * model.heads * model.head_dim
     compute = batch * per_token / ranks / (gpu.bf16_flops * a.mfu_decode)
-    comm = 2 * model.layers * _allreduce_s(batch * model.hidden * BF16, ranks, gpu, a)
-    return 1000 * (a.step_overhead_s + max(memory, compute) + comm)
+    return 1000 * max(memory, compute)
 
 
-def prefill_ms(gpu: Gpu, model: Model, a: Assumed, ranks: int, tokens: int) -> float:
+def prefill_kernels_ms(gpu: Gpu, model: Model, a: Assumed, ranks: int, tokens: int) -> float:
+    """One rank's GPU time of an extend of ``tokens`` new tokens: ``max(compute, memory)``."""
     seq = min(tokens, a.prefill_sequence)
     matmul = 2 * (model.params - 2 * model.embedding) * tokens
     attention = 2 * model.layers * tokens * seq * model.heads * model.head_dim
@@ -165,8 +167,32 @@ def prefill_ms(gpu: Gpu, model: Model, a: Assumed, ranks: int, tokens: int) -> f
     written = tokens * model.kv_bytes_per_token * _kv_share(model, ranks)
     memory = ((model.params - model.embedding) * BF16 / ranks + written) \
         / (gpu.hbm_bw * a.hbm_efficiency)
-    comm = 2 * model.layers * _allreduce_s(tokens * model.hidden * BF16, ranks, gpu, a)
-    return 1000 * (a.step_overhead_s + max(compute, memory) + comm)
+    return 1000 * max(compute, memory)
+
+
+def _comm_ms(gpu: Gpu, model: Model, a: Assumed, ranks: int, tokens: int) -> float:
+    return 1000 * 2 * model.layers * _allreduce_s(tokens * model.hidden * BF16, ranks, gpu, a)
+
+
+def decode_ms(gpu: Gpu, model: Model, a: Assumed, ranks: int, batch: int,
+              kernels: Measured | None = None) -> float:
+    """A decode step on ``ranks`` GPUs: overhead + one rank's kernels + all-reduces; the
+    kernels from ``kernels`` (measured on a GPU) where given, else the formula."""
+    ms = decode_kernels_ms(gpu, model, a, ranks, batch)
+    if kernels is not None:
+        ms = calibrated(lambda b: decode_kernels_ms(gpu, model, a, ranks, b),
+                        kernels.decode, batch)
+    return 1000 * a.step_overhead_s + ms + _comm_ms(gpu, model, a, ranks, batch)
+
+
+def prefill_ms(gpu: Gpu, model: Model, a: Assumed, ranks: int, tokens: int,
+               kernels: Measured | None = None) -> float:
+    """An extend step on ``ranks`` GPUs, as ``decode_ms``."""
+    ms = prefill_kernels_ms(gpu, model, a, ranks, tokens)
+    if kernels is not None:
+        ms = calibrated(lambda t: prefill_kernels_ms(gpu, model, a, ranks, t),
+                        kernels.prefill, tokens)
+    return 1000 * a.step_overhead_s + ms + _comm_ms(gpu, model, a, ranks, tokens)
 
 
 def gpus_per_engine(gpu: Gpu, model: Model) -> int:
@@ -183,16 +209,25 @@ CHUNK = 8192  # SGLang's chunked-prefill size on a GPU (tokens per extend step)
 TOKENS = tuple(1 << k for k in range(4, 15))  # 16 .. 16384
 
 
-def build(name: str, gpu: Gpu, model: Model, a: Assumed = Assumed()) -> Profile:
+def build(name: str, gpu: Gpu, model: Model, a: Assumed = Assumed(),
+          measured: str | None = None) -> Profile:
+    """The profile of ``model`` on a node of 8 ``gpu``; with ``measured`` (a file in
+    ``MEASURED_DIR`` from ``gpu_measure``) each rank's kernels are that measurement's
+    (``gpu_calibrate``), the overhead and all-reduces still the formula's."""
     g = gpus_per_engine(gpu, model)
     engines = NODE_GPUS // g
     weights = model.params * BF16
     kv_tokens = int((g * gpu.hbm_bytes * a.mem_fraction - weights) / model.kv_bytes_per_token)
     max_running = max(min(int(kv_tokens / model.context * 512), 4096), 2048)
     degrees = tuple(allowed_degrees(engines, model.kv_heads, model.heads))
+    kernels: dict[int, Measured | None] = dict.fromkeys((1, *degrees))
+    device = None
+    if measured is not None:
+        device, rows = load_measured(MEASURED_DIR / measured)
+        kernels = {m: rows[(model.name, m * g)] for m in kernels}
     curves = {
-        m: Curve.of([(b, decode_ms(gpu, model, a, m * g, b)) for b in BATCHES],
-                    [(t, prefill_ms(gpu, model, a, m * g, t)) for t in TOKENS])
+        m: Curve.of([(b, decode_ms(gpu, model, a, m * g, b, kernels[m])) for b in BATCHES],
+                    [(t, prefill_ms(gpu, model, a, m * g, t, kernels[m])) for t in TOKENS])
         for m in (1, *degrees)
     }
     costs = Costs({m: round(c.decode[0][1], 4) for m, c in curves.items()},
@@ -224,6 +259,17 @@ def build(name: str, gpu: Gpu, model: Model, a: Assumed = Assumed()) -> Profile:
         **{k: {"value": v, "assumption": True, "source": ASSUMED_WHY[k]}
            for k, v in asdict(a).items()},
     }
+    first = "simulated, not measured: Flying's groups have never run on a GPU"
+    if measured is not None:
+        constants["kernels"] = {
+            "value": f"gpu-shard-steps/{measured}",
+            "source": f"one rank's kernels timed on one {device} by workloads.sim.gpu_measure "
+                      "(PyTorch kernels with CUDA graphs for decode, not SGLang's), in place "
+                      "of max(memory, compute) and the efficiencies above; all-reduces and "
+                      "the step overhead still modelled"}
+        first = (f"simulated: one GPU's kernels measured on a {device}, all-reduces over "
+                 "NVLink and the scheduler's overhead modelled; Flying's groups have never "
+                 "run on a GPU")
     return Profile(
         name=name, costs=costs, switch=SwitchCosts(a.bind_ms, round(move, 4)),
         kv_tokens=kv_tokens, degrees=degrees, max_engines=engines,
@@ -234,7 +280,7 @@ def build(name: str, gpu: Gpu, model: Model, a: Assumed = Assumed()) -> Profile:
                f"{gpu.name} ({NODE_GPUS} GPUs)",
         constants=constants,
         assumptions=(
-            "simulated, not measured: Flying's groups have never run on a GPU",
+            first,
             "step costs depend on batch size and new tokens only, at a fixed context "
             f"({a.decode_context} tokens decoding, {a.prefill_sequence}-token prompts)",
             "decode batches above SGLang's CUDA-graph limit (256 at TP < 4) cost what the "
@@ -244,10 +290,14 @@ def build(name: str, gpu: Gpu, model: Model, a: Assumed = Assumed()) -> Profile:
     )
 
 
-PROFILES = {
-    "h100-llama3-8b": (H100_SXM, LLAMA3_8B),
-    "h200-llama3-8b": (H200, LLAMA3_8B),
-    "h200-llama3-70b": (H200, LLAMA3_70B),
+#: name -> (GPU, model, measured kernels file in ``MEASURED_DIR`` or None).
+PROFILES: dict[str, tuple[Gpu, Model, str | None]] = {
+    "h100-llama3-8b": (H100_SXM, LLAMA3_8B, None),
+    "h200-llama3-8b": (H200, LLAMA3_8B, None),
+    "h200-llama3-70b": (H200, LLAMA3_70B, None),
+    "h100-llama3-8b-measured": (H100_SXM, LLAMA3_8B, "h100.json"),
+    "h200-llama3-8b-measured": (H200, LLAMA3_8B, "h200.json"),
+    "h200-llama3-70b-measured": (H200, LLAMA3_70B, "h200.json"),
 }
 
 
@@ -259,10 +309,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    for name, (gpu, model) in PROFILES.items():
+    for name, (gpu, model, measured) in PROFILES.items():
         if args.only and name != args.only:
             continue
-        profile = build(name, gpu, model)
+        profile = build(name, gpu, model, measured=measured)
         profile.save(out / f"{name}.json")
         c = profile.costs
         print(f"{name}: {profile.max_engines} engines, degrees {list(profile.degrees)}, "
