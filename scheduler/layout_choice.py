@@ -14,16 +14,23 @@ keeps or changes its layout:
   (``TAIL_TOLERANCE``); where every equal layout is saturated, the one serving the most;
 - it switches only when the gain over the expected phase outlasts the switch: a
   goodput gain ``dG`` (req/s) over ``horizon_s`` seconds must exceed the requests the
-  switch delays (those running and those arriving during it) weighted by the share of
-  the TTFT SLO the switch's time takes (``switch_cost``); a latency gain likewise, in
-  request-milliseconds;
+  switch delays (those running, unless the current layout is saturated and they miss
+  their SLOs anyway, and those arriving during it) weighted by the share of the TTFT
+  SLO the switch's time takes (``switch_cost``); a latency gain likewise, in
+  request-milliseconds. A switch between two layouts with groups also waits for the
+  old groups to finish their requests (running requests move only to DP): about one
+  output at the current TPOT, charged where anything runs;
+- the candidates are the uniform layouts (DP, or every engine in groups of one
+  degree): a mixed one is not what the mechanism runs (``LayoutChooser.__init__``);
 - hysteresis: a goodput gain must exceed ``GOODPUT_MARGIN`` of the current layout's
   goodput across the rate estimate's uncertainty (at the rate, and one standard
   error below and above it: a Poisson stream's 30 s window varies by +-15 % at 1.5
   req/s; at the band's edges the gain in the share within SLO counts, so behind one
   arrival a layout that meets the SLOs where the current one misses them wins), a
   change for latency must not lose goodput, and a layout is kept at least ``DWELL_S``
-  seconds, so a steady rate near the crossover does not flap;
+  seconds (unless another predicts over ``DWELL_BREAK`` x its goodput), so a steady
+  rate near the crossover does not flap; a layout with groups is left for its tails
+  alone only past ``TAIL_LEAVE`` (above the bar to enter it) and only for DP;
 - the layouts are evaluated at most every ``EVALUATE_S`` (requests in between take
   the current layout), with each degree's capacity cached for the costs and the
   request sizes (two significant digits), so a decision costs microseconds.
@@ -46,6 +53,9 @@ GOODPUT_TIE = 0.02
 GOODPUT_MARGIN = 0.05
 #: The least time a layout is kept once taken (seconds).
 DWELL_S = 5.0
+#: The dwell does not hold a layout whose predicted goodput is below 1/this of the
+#: best's (a choice made at light load, say, as a burst arrives).
+DWELL_BREAK = 2.0
 #: How often the layouts are evaluated (seconds).
 EVALUATE_S = 0.25
 #: The lowest edge of the rate's uncertainty band, as a share of the rate.
@@ -56,17 +66,15 @@ LIGHT = 0.5
 #: Latency picks a layout with groups only where its predicted p99 inter-token gap is
 #: at most this multiple of DP's (``Prediction.itl_tails_ms``).
 TAIL_TOLERANCE = 1.05
+#: A layout with groups is left for its tails alone only where its predicted p99 gap
+#: exceeds this multiple of DP's: above ``TAIL_TOLERANCE`` (the bar to enter it), so a
+#: layout near the bar is neither entered nor left on each evaluation's noise.
+TAIL_LEAVE = 1.25
 #: A layout with groups is a switch target only where its groups' predicted decode
 #: batch is at most this multiple of the largest batch their degree was measured at
 #: (1: within the measured points).
 REACH = 1.0
 
-
-def _tails_within(lay: Prediction, dp: Prediction) -> bool:
-    """A layout's predicted p99 inter-token gap within ``TAIL_TOLERANCE`` of DP's (the
-    p99: where one group's shared prefill pauses show first; its p95 follows at rates
-    the latency rule already leaves to DP)."""
-    return lay.itl_tails_ms[1] <= TAIL_TOLERANCE * dp.itl_tails_ms[1]
 
 
 def _sig2(x: float) -> float:
@@ -96,7 +104,10 @@ class Choice:
 class LayoutChooser:
     def __init__(self, num_engines: int, degrees: tuple[int, ...], horizon_s: float,
                  latency_gain: float, engine_kv_tokens: float):
-        self.candidates = layouts(num_engines, degrees)
+        # Uniform layouts only: the mechanism runs a mixed one as neither (DP requests
+        # go to every engine, binds round robin over every group of the degree), so
+        # its groups meet DP arrivals and move (docs/BENCHMARKS.md, simulated, problem 5).
+        self.candidates = layouts(num_engines, degrees, mixed=False)
         self.current = self.candidates[0]  # DP until a group is shown to pay
         self.since = float("-inf")
         self.horizon_s = horizon_s
@@ -183,10 +194,12 @@ class LayoutChooser:
             keeping_up = fast or keeping_up
         return min(keeping_up, key=lambda lay: (self._latency(lay, preds[lay], output), lay.groups))
 
-    def _tails_over(self, lay: Layout, preds: dict[Layout, Prediction]) -> bool:
-        """A layout with groups whose predicted gap tails exceed DP's (``_tails_within``)."""
+    def _tails_over(self, lay: Layout, preds: dict[Layout, Prediction],
+                    tolerance: float = TAIL_TOLERANCE) -> bool:
+        """A layout with groups whose predicted p99 gap exceeds ``tolerance`` x DP's."""
         dp = preds.get(self.candidates[0])
-        return bool(lay.groups) and dp is not None and not _tails_within(preds[lay], dp)
+        return bool(lay.groups) and dp is not None and \
+            preds[lay].itl_tails_ms[1] > tolerance * dp.itl_tails_ms[1]
 
     def choose(self, now: float, costs: Costs, traffic: Traffic, running: int, queued: int,
                slo: Slo, switch: SwitchCosts) -> Choice:
@@ -225,11 +238,19 @@ class LayoutChooser:
         cur, new = preds[self.current], preds[best]
         if best == self.current:
             return Choice(self.current, f"goodput: {cur.layout} predicted best", briefs)
-        if now - self.since < DWELL_S:
+        if now - self.since < DWELL_S and new.goodput <= DWELL_BREAK * cur.goodput:
             return Choice(self.current, f"goodput: keep {cur.layout} (dwell)", briefs)
         in_flight_tokens = running * ((traffic.prompt or 128.0) + output / 2)
         cost_ms = switch.of(in_flight_tokens)
-        delayed = running + traffic.rate * cost_ms / 1000.0
+        regroup = bool(self.current.groups and best.groups)
+        if regroup and running and not cur.saturated:  # saturated: staying costs more
+            # Running requests move only to DP: the new groups' binds wait until the
+            # old groups have finished theirs (the longest, about a whole output).
+            cost_ms += output * cur.tpot_ms
+        # The requests a switch delays: the running ones (not where the layout is
+        # saturated: they miss their SLOs whether it switches or not) and the arrivals
+        # during it.
+        delayed = (0 if cur.saturated else running) + traffic.rate * cost_ms / 1000.0
         gain = new.goodput - cur.goodput
         tie = abs(gain) <= GOODPUT_TIE * max(new.goodput, cur.goodput)
         if not tie and gain > GOODPUT_MARGIN * cur.goodput:
@@ -240,8 +261,8 @@ class LayoutChooser:
             worth = gain * self.horizon_s > delayed * min(1.0, cost_ms / slo.ttft_ms)
             kind = f"goodput {new.goodput:.2f} vs {cur.goodput:.2f} req/s"
         elif (tie and not (cur.saturated or new.saturated)  # light load: its gaps decide
-              and traffic.rate <= LIGHT * self.capacity(self.current)
-              and self._tails_over(self.current, preds)):
+              and not regroup and traffic.rate <= LIGHT * self.capacity(self.current)
+              and self._tails_over(self.current, preds, TAIL_LEAVE)):
             worth = True
             kind = (f"ITL p99 {cur.itl_tails_ms[1]:.0f} vs "
                     f"{preds[self.candidates[0]].itl_tails_ms[1]:.0f} ms in DP")

@@ -74,14 +74,14 @@ class Layout:
         return sum(1 for d in self.servers if d > 1)
 
 
-def layouts(num_engines: int, degrees: tuple[int, ...]) -> list[Layout]:
-    """DP, every degree's all-groups layout, and on 4+ engines the mixed layouts of k
-    groups of one degree beside DP engines (aligned groups first)."""
+def layouts(num_engines: int, degrees: tuple[int, ...], mixed: bool = True) -> list[Layout]:
+    """DP, every degree's all-groups layout, and (``mixed``) on 4+ engines the mixed
+    layouts of k groups of one degree beside DP engines (aligned groups first)."""
     found = [Layout((1,) * num_engines)]
     for m in degrees:
         for k in range(1, num_engines // m + 1):
             dp = num_engines - k * m
-            if dp and num_engines < 4:
+            if dp and (num_engines < 4 or not mixed):
                 continue
             found.append(Layout((m,) * k + (1,) * dp))
     return found

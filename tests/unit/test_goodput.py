@@ -428,3 +428,76 @@ def test_goodput_decisions_replay_from_the_log():
     # a policy with other SLOs decides otherwise somewhere: the replay can tell
     _, diffs = replay(lines, PolicyConfig("adaptive", slo_ttft_ms=50.0, slo_tpot_ms=5.0), NODE)
     assert diffs
+
+
+# -- switching rules on 8 engines (predictions given; the rule under test alone) --------
+
+DP8, TP8, TP4, TP2 = Layout((1,) * 8), Layout((8,)), Layout((4, 4)), Layout((2, 2, 2, 2))
+
+
+def _pred(lay: Layout, goodput: float, tpot: float = 5.0, saturated: bool = False,
+          p99: float = 6.0) -> Prediction:
+    return Prediction(lay.name, 50.0, tpot, goodput, 1000.0 * goodput, saturated,
+                      (p99, p99))
+
+
+def _chooser(current: Layout, preds: dict[Layout, Prediction], best: Layout,
+             since: float = -100.0) -> LayoutChooser:
+    """A chooser in ``current`` whose model predicts ``preds`` and ranks ``best``
+    first: what ``_choose`` then does is the switching rule alone."""
+    chooser = LayoutChooser(8, (2, 4, 8), 10.0, 0.1, 1e6)
+    chooser.current, chooser.since = current, since
+    chooser.predict_all = lambda *a, **k: preds
+    chooser._best = lambda *a, **k: best
+    chooser._within_reach = lambda *a: True
+    chooser._robust_gain = lambda lay, *a: preds[lay].goodput - preds[chooser.current].goodput
+    chooser.capacity = lambda lay: 1e9
+    return chooser
+
+
+def _choose(chooser: LayoutChooser, running: int, rate: float = 20.0) -> str:
+    traffic = Traffic(0.0, rate, rate, 2000.0, 300.0, 100, 100)
+    return chooser._choose(0.0, TP_ALWAYS, traffic, running, 0, Slo(220.0, 9.0),
+                           SwitchCosts(2.0, 0.4)).layout.name
+
+
+def test_the_chooser_offers_uniform_layouts_only():
+    """A mixed layout (a group beside DP engines) is not what the mechanism runs: DP
+    requests reach every engine, so its groups meet DP arrivals and move."""
+    names = [lay.name for lay in LayoutChooser(8, (2, 4, 8), 10.0, 0.1, 1e6).candidates]
+    assert names == ["8xDP", "4xTP2", "2xTP4", "1xTP8"]
+
+
+def test_a_switch_between_group_layouts_pays_the_old_groups_drain():
+    """Running requests move only to DP: 2xTP4's binds wait until 1xTP8 has finished
+    its requests (about one output at its TPOT: 300 x 10 ms here), which a 10 % gain
+    does not repay while 20 requests run (their moves alone would: ~20 ms); with none
+    running it is free."""
+    preds = {DP8: _pred(DP8, 30.0), TP8: _pred(TP8, 40.0, tpot=10.0), TP4: _pred(TP4, 44.0)}
+    assert _choose(_chooser(TP8, preds, TP4), running=20) == "1xTP8"
+    assert _choose(_chooser(TP8, preds, TP4), running=0) == "2xTP4"
+
+
+def test_a_saturated_layout_is_left_within_its_dwell_and_despite_its_running_requests():
+    """1xTP8 chosen at light load, then a burst: its requests miss their SLOs whether
+    it switches or not, so neither the dwell nor the drain holds the node there."""
+    preds = {DP8: _pred(DP8, 0.0), TP8: _pred(TP8, 0.0, tpot=19.0, saturated=True),
+             TP2: _pred(TP2, 20.0)}
+    assert _choose(_chooser(TP8, preds, TP2, since=-1.0), running=500, rate=50.0) == "4xTP2"
+    # not saturated and within the dwell: kept
+    preds[TP8] = _pred(TP8, 15.0)
+    assert _choose(_chooser(TP8, preds, TP2, since=-1.0), running=500, rate=50.0) == "1xTP8"
+
+
+def test_the_tail_rule_leaves_for_dp_only_and_past_a_wider_margin():
+    """Equal goodput at light load: a group layout is left for its predicted p99 gap
+    only where it is past ``TAIL_LEAVE`` x DP's (1.17x stays, 1.5x leaves; its latency is
+    lower, so only the tails would move it), and never for another group layout (which
+    would stop the node for the old groups' drain)."""
+    def preds(p99: float) -> dict[Layout, Prediction]:
+        return {DP8: _pred(DP8, 10.0), TP4: _pred(TP4, 10.0, tpot=4.0, p99=p99),
+                TP2: _pred(TP2, 10.0)}
+
+    assert _choose(_chooser(TP4, preds(7.0), DP8), running=10, rate=5.0) == "2xTP4"
+    assert _choose(_chooser(TP4, preds(9.0), DP8), running=10, rate=5.0) == "8xDP"
+    assert _choose(_chooser(TP4, preds(9.0), TP2), running=10, rate=5.0) == "2xTP4"
