@@ -14,7 +14,7 @@ import random
 import pytest
 
 from scheduler.costs import Costs, Curve, interpolate
-from scheduler.layout_choice import DWELL_S, LayoutChooser, SwitchCosts
+from scheduler.layout_choice import DWELL_S, LayoutChooser, SwitchCosts, interleave_lost
 from scheduler.policy import EngineLoad, Node, Policy, PolicyConfig, Request, derive_slo
 from scheduler.replay import record, replay
 from scheduler.service import Layout, Prediction, Slo, layouts, predict
@@ -180,7 +180,7 @@ def _run(costs: Costs, phases: list[tuple[float, float]], switch: SwitchCosts | 
          running_per_rate: float = 2.0) -> list[tuple[float, str]]:
     """Drive the adaptive policy through phases of (seconds, req/s) Poisson arrivals;
     (time, layout) at each arrival. Loads follow the rate (a node under a burst runs
-    and queues more)."""
+    and queues more), and never exceed the requests that arrived before."""
     rng = random.Random(seed)
     policy = Policy(PolicyConfig("adaptive").validate(), NODE)
     arrivals, t, out = Arrivals(), 0.0, []
@@ -193,7 +193,7 @@ def _run(costs: Costs, phases: list[tuple[float, float]], switch: SwitchCosts | 
                 break
             arrivals.note(t, 128, 64)
             traffic = arrivals.traffic(t)
-            running = int(traffic.rate * running_per_rate)
+            running = min(int(traffic.rate * running_per_rate), len(out))
             loads = [EngineLoad(0, running // 2, 0), EngineLoad(1, running - running // 2, 0)]
             policy.decide(Request(128, 64), loads, costs, traffic, switch or SwitchCosts())
             out.append((t, policy.chooser.current.name))
@@ -312,9 +312,11 @@ def test_latency_never_takes_a_group_whose_gaps_tail_beyond_dp():
 
 def test_a_switch_costing_more_than_it_gains_is_not_taken():
     dear = SwitchCosts(bind_ms=2.0, move_ms_per_ktok=1e6)  # moving KV: ~forever
-    trace = _run(TP_LIGHT, BURSTY, switch=dear)
+    trace = _run(TP_LIGHT, BURSTY, switch=dear, running_per_rate=5.0)
     # the quiet start has nothing running (free to group); under the burst, leaving
-    # the group would move the running requests' KV at that price: not taken
+    # the group would move the running requests' KV at that price: not taken (5 s of
+    # residence per request, so requests run as the burst begins: with nothing
+    # running, leaving is free and right)
     assert _during(trace, 30, 40) == {"1xTP2"}
 
 
@@ -501,3 +503,35 @@ def test_the_tail_rule_leaves_for_dp_only_and_past_a_wider_margin():
     assert _choose(_chooser(TP4, preds(7.0), DP8), running=10, rate=5.0) == "2xTP4"
     assert _choose(_chooser(TP4, preds(9.0), DP8), running=10, rate=5.0) == "8xDP"
     assert _choose(_chooser(TP4, preds(9.0), TP2), running=10, rate=5.0) == "2xTP4"
+
+
+def test_dp_requests_a_group_would_slow_past_the_slo_forbid_a_latency_switch():
+    """From DP, a group's members run their DP requests' steps between the group's:
+    both stream at about both TPOTs together (8 + 4.6 ms here, past an 11.5 ms SLO)
+    until the DP requests finish. A latency gain does not pay for the SLOs that costs;
+    with nothing running, or both steps together within the SLO, it is taken."""
+    preds = {DP8: _pred(DP8, 10.0, tpot=8.0), TP8: _pred(TP8, 10.0, tpot=4.6)}
+
+    def choose(running: int, slo_tpot: float) -> str:
+        chooser = _chooser(DP8, preds, TP8)
+        traffic = Traffic(0.0, 10.0, 10.0, 2000.0, 300.0, 100, 100)
+        return chooser._choose(0.0, TP_ALWAYS, traffic, running, 0, Slo(220.0, slo_tpot),
+                               SwitchCosts(2.0, 0.4)).layout.name
+
+    assert choose(running=30, slo_tpot=11.5) == "8xDP"
+    assert choose(running=0, slo_tpot=11.5) == "1xTP8"
+    assert choose(running=30, slo_tpot=20.0) == "1xTP8"
+
+
+def test_interleave_lost_counts_the_running_and_the_arrivals_past_the_slo():
+    cur, new = _pred(DP8, 10.0, tpot=8.0), _pred(TP8, 10.0, tpot=4.6)
+    slo = Slo(220.0, 11.5)
+    # running: past the SLO where r / output > (11.5 - 8) / 4.6, a quarter of them
+    only_running = interleave_lost(cur, new, 40, 0.0, 300.0, slo)
+    assert only_running == pytest.approx(40 * (1 - 3.5 / 4.6))
+    # arrivals: D = 150 x 12.6 ms = 1890 ms; each arrival misses where its slowed
+    # time exceeds L (slo - new) / cur = 1380 x 6.9 / 8 = 1190 ms: 700 ms of arrivals
+    assert interleave_lost(cur, new, 40, 10.0, 300.0, slo) == pytest.approx(
+        only_running + 10.0 * (1.890 - 1.38 * 6.9 / 8), rel=1e-6)
+    assert interleave_lost(cur, new, 0, 10.0, 300.0, slo) == 0.0
+    assert interleave_lost(cur, new, 40, 10.0, 300.0, Slo(220.0, 12.6)) == 0.0
