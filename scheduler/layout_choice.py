@@ -73,6 +73,11 @@ TAIL_TOLERANCE = 1.05
 #: exceeds this multiple of DP's: above ``TAIL_TOLERANCE`` (the bar to enter it), so a
 #: layout near the bar is neither entered nor left on each evaluation's noise.
 TAIL_LEAVE = 1.25
+#: The tails rule acts on a rate seen from at least this many arrivals: a new phase
+#: starts from a few (``scheduler.traffic``), and a low rate read from 4 of them sent
+#: a loaded group layout to DP and back (simulated, Llama-3-70B at a steady 4 req/s:
+#: a round trip every 1-3 minutes, each one moves and interleaved steps).
+TAIL_MIN_ARRIVALS = 10
 #: A layout with groups is a switch target only where its groups' predicted decode
 #: batch is at most this multiple of the largest batch their degree was measured at
 #: (1: within the measured points).
@@ -104,10 +109,14 @@ class Choice:
     predictions: dict[str, dict]
 
 
+def _arrivals_behind(traffic: Traffic) -> int:
+    return traffic.n_short if traffic.short else traffic.n_long
+
+
 def interleave_lost(cur: Prediction, new: Prediction, running: int, rate: float,
                     output: float, slo: Slo) -> float:
     """Requests expected to miss the TPOT SLO because a switch from DP to groups is
-    taken while DP requests run on the members.
+    taken while DP requests run on the members, that would have met it in DP.
 
     Until those finish, each member runs one DP step between group steps, so both kinds
     of request stream at ``cur.tpot + new.tpot`` for ``D = output / 2 x (cur.tpot +
@@ -121,6 +130,8 @@ def interleave_lost(cur: Prediction, new: Prediction, running: int, rate: float,
     start put 282 requests past the SLO.)"""
     both = cur.tpot_ms + new.tpot_ms
     if running <= 0 or both <= slo.tpot_ms or new.tpot_ms <= 0 or cur.tpot_ms <= 0:
+        return 0.0
+    if cur.tpot_ms >= slo.tpot_ms:  # DP misses the SLO already: nothing to lose
         return 0.0
     share = min(1.0, max(0.0, 1.0 - (slo.tpot_ms - cur.tpot_ms) / new.tpot_ms))
     drain_ms = output / 2 * both
@@ -292,7 +303,8 @@ class LayoutChooser:
             worth = gain * self.horizon_s > delayed * min(1.0, cost_ms / slo.ttft_ms) + lost
             kind = f"goodput {new.goodput:.2f} vs {cur.goodput:.2f} req/s"
         elif (tie and not (cur.saturated or new.saturated)  # light load: its gaps decide
-              and not regroup and traffic.rate <= LIGHT * self.capacity(self.current)
+              and not regroup and _arrivals_behind(traffic) >= TAIL_MIN_ARRIVALS
+              and traffic.rate <= LIGHT * self.capacity(self.current)
               and self._tails_over(self.current, preds, TAIL_LEAVE)):
             # each request of the horizon is spared at least one such gap; the switch
             # (moves to DP) delays what it delays

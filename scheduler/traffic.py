@@ -37,12 +37,15 @@ class Traffic:
     output: float = 0.0
     n_short: int = 0  # arrivals behind each rate
     n_long: int = 0
+    #: the short window's length (s): ``SHORT_S``, or the silence before this arrival
+    #: where that is longer (``Arrivals``)
+    window_s: float = SHORT_S
 
     @property
     def short(self) -> bool:
         """Whether ``rate`` is the short window's (a change of phase)."""
-        expected = self.rate_long * SHORT_S
-        seen = round(self.rate_short * SHORT_S)
+        expected = self.rate_long * self.window_s
+        seen = round(self.rate_short * self.window_s)
         if expected <= 0:
             return True
         return _tail_above(seen, expected) < SIGNIFICANCE or _tail_below(seen, expected) < SIGNIFICANCE
@@ -63,7 +66,12 @@ class Traffic:
 
 
 #: How unlikely a short-window count must be under the long rate to count as a change.
-SIGNIFICANCE = 0.02
+#: It is tested at every arrival: at 0.02 a steady Poisson stream of 5 req/s started
+#: a new phase every 30 s (20 in 10 minutes; at 0.001, one), and on the simulated
+#: Llama-3-70B node at a steady 4-6 req/s each one was a layout round trip. A real
+#: change is far less likely than this under the old rate within a second or two (a
+#: lull too, with the silence before it counted: ``Arrivals``).
+SIGNIFICANCE = 0.001
 
 
 def _pmf(k: int, mean: float) -> float:
@@ -93,6 +101,7 @@ class Arrivals:
         self.short_s, self.long_s = short_s, long_s
         self._seen: deque[tuple[float, int, int]] = deque()
         self._start: float | None = None  # the first arrival, or the phase's start
+        self.phases = 0  # phases started after the first (``traffic``)
 
     def note(self, now: float, prompt_len: int, max_new_tokens: int | None) -> None:
         output = UNBOUNDED_OUTPUT if max_new_tokens is None else max(1, max_new_tokens)
@@ -114,6 +123,7 @@ class Arrivals:
         if estimate.n_long and estimate.short and self._start is not None \
                 and self._start < now - self.short_s:
             self._start = now - self.short_s
+            self.phases += 1
             estimate = self._estimate(now)
         return estimate
 
@@ -122,14 +132,23 @@ class Arrivals:
         if not self._seen or self._start is None:
             return Traffic(now)
         age = max(1.0, now - self._start)
-        short = sum(1 for t, _, _ in self._seen if t >= now - self.short_s)
+        # A silence longer than the short window before the latest arrival is part of
+        # what the short window saw: after a burst, one arrival 9 s later is a lull,
+        # not one arrival in 3 s.
+        before = [t for t, _, _ in self._seen if t < now]
+        window = min(max(self.short_s, now - before[-1] if before else 0.0), self.long_s)
+        if window > self.short_s:
+            short = sum(1 for t, _, _ in self._seen if t > now - window)
+        else:
+            short = sum(1 for t, _, _ in self._seen if t >= now - self.short_s)
         n = len(self._seen)
         return Traffic(
             now,
-            rate_short=round(short / min(self.short_s, age), 4),
+            rate_short=round(short / min(window, age), 4),
             rate_long=round(n / min(self.long_s, age), 4),
             prompt=round(sum(p for _, p, _ in self._seen) / n, 2),
             output=round(sum(o for _, _, o in self._seen) / n, 2),
             n_short=short,
             n_long=n,
+            window_s=round(window, 4),
         )

@@ -117,6 +117,31 @@ def test_arrival_rates_short_and_long_windows():
     assert burst.output > 50  # requests without a bound count at UNBOUNDED_OUTPUT
 
 
+def test_one_arrival_after_a_long_silence_reads_as_a_lull():
+    """After 30 s at 1.5 req/s, one arrival 9 s later: in a 3 s window it is one
+    arrival where 4.5 were expected (6 % likely: noise); with the silence before it,
+    one where 13.5 were (a new phase, the old rate forgotten)."""
+    arrivals = Arrivals(short_s=3.0, long_s=30.0)
+    for i in range(45):
+        arrivals.note(i / 1.5, 100, 50)
+    arrivals.note(29.4 + 9.0, 100, 50)
+    lull = arrivals.traffic(38.4)
+    assert lull.n_long == 1 and lull.rate < 0.5
+
+
+@pytest.mark.parametrize("rate", [1.0, 5.0])
+def test_a_steady_stream_is_rarely_read_as_a_new_phase(rate):
+    """Every arrival tests the short window against the long one: a steady Poisson
+    stream for 10 minutes starts a new phase at most a couple of times (each one a
+    chance for the layout to move for nothing; 7 and 20 at a 2 % level)."""
+    rng, arrivals, t = random.Random(0), Arrivals(), 0.0
+    while t < 600.0:
+        t += rng.expovariate(rate)
+        arrivals.note(t, 100, 50)
+        arrivals.traffic(t)
+    assert arrivals.phases <= 2
+
+
 def test_service_model_saturates_and_goodput_follows_the_slo():
     dp = Layout((1, 1))
     low = predict(dp, TP_SLOW, 1.0, 128, 64, 0, SLO, 10, 4096)
