@@ -337,8 +337,7 @@ class FlyingEngine(Lifecycle, Drain):
             if self.status_out is None:
                 status.publish(self.pool.store, self.dp_rank, self, scheduler)
                 return
-            seq = self.status_out.submit(status.document(self.dp_rank, self, scheduler),
-                                         wake=force or changed)
+            seq = self.status_out.submit(status.document(self.dp_rank, self, scheduler))
             # An event (bind, release, drain) is in the store before the engine goes
             # on, as when written inline; timed refreshes never wait.
             if force and not self.status_out.flush(seq, STATUS_FLUSH_S):

@@ -25,8 +25,6 @@ logger = logging.getLogger(__name__)
 
 #: How long a failed store connection waits before the writer tries again.
 RETRY_S = 1.0
-#: How often the thread looks for a document submitted without waking it.
-POLL_S = 0.1
 
 
 class StatusWriter:
@@ -46,17 +44,12 @@ class StatusWriter:
         self._thread = threading.Thread(target=self._run, name=f"flying-status-{key}", daemon=True)
         self._thread.start()
 
-    def submit(self, document: str, wake: bool = True) -> int:
-        """Queue ``document`` (replacing any not yet written); returns its sequence number.
-
-        ``wake=False`` (a timed refresh) leaves the thread asleep: it finds the document
-        within ``POLL_S``, and the engine saves the wake-up (``workloads.bench_hooks``: a
-        third of Flying's share of a busy engine was ``notify`` and the thread's wake)."""
+    def submit(self, document: str) -> int:
+        """Queue ``document`` (replacing any not yet written); returns its sequence number."""
         with self._cv:
             self._submitted += 1
             self._latest = (self._submitted, document)
-            if wake:
-                self._cv.notify_all()
+            self._cv.notify_all()
             return self._submitted
 
     def flush(self, seq: int, timeout_s: float) -> bool:
@@ -80,7 +73,7 @@ class StatusWriter:
         while True:
             with self._cv:
                 while self._latest is None and not self._closed:
-                    self._cv.wait(POLL_S)
+                    self._cv.wait()
                 if self._closed:
                     return
                 seq, document = self._latest

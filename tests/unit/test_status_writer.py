@@ -53,25 +53,6 @@ def test_submit_returns_while_the_store_is_slow_and_the_latest_document_wins():
     w.close()
 
 
-def test_a_submit_without_wake_is_written_on_the_threads_own_poll():
-    """Timed refreshes do not wake the thread (``wake=False``): the document is in the
-    store within the poll period all the same, and never before the thread looks."""
-    store = GatedStore()
-    store.gate.set()
-    w = _writer(store)
-    time.sleep(0.05)  # the thread is asleep in its poll
-    notified = []
-    real = w._cv.notify_all
-    caller = threading.current_thread()
-    w._cv.notify_all = lambda: (notified.append(threading.current_thread() is caller),
-                                real())[1]
-    seq = w.submit("timed", wake=False)
-    assert w.flush(seq, 3 * engine_mod.STATUS_EVERY_S + 1)
-    assert not any(notified)  # only the thread's own "written" notice
-    assert [v for _, v in store.writes] == ["timed"]
-    w.close()
-
-
 def test_a_failed_write_is_retried_on_a_new_connection():
     store = GatedStore(fail_first=1)
     store.gate.set()
