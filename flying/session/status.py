@@ -11,7 +11,6 @@ socket, and a read never waits on a busy engine.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
 
 #: Switch (bind -> first group step) latency histogram bounds, in milliseconds.
 SWITCH_BUCKETS_MS = (1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 1000.0)
@@ -51,7 +50,10 @@ def document(dp_rank: int, engine, scheduler=None) -> str:
         "overlap_loop": bool(getattr(scheduler, "enable_overlap", False)),
         "decode_ms": engine.clock.decode_ms(),  # measured single-request decode step, per degree
         "curves": engine.clock.curves(),  # measured decode / prefill points, per degree
-        **asdict(engine.counters),
+        # a shallow copy: serialized at once, on the thread that changes the counters
+        # (``asdict`` deep-copies every field: 4 % of a busy engine's samples at 16
+        # clients, ``workloads.bench_hooks``)
+        **vars(engine.counters),
     }
     return json.dumps(doc)
 
