@@ -109,10 +109,6 @@ class Choice:
     predictions: dict[str, dict]
 
 
-def _arrivals_behind(traffic: Traffic) -> int:
-    return traffic.n_short if traffic.short else traffic.n_long
-
-
 def interleave_lost(cur: Prediction, new: Prediction, running: int, rate: float,
                     output: float, slo: Slo) -> float:
     """Requests expected to miss the TPOT SLO because a switch from DP to groups is
@@ -303,7 +299,7 @@ class LayoutChooser:
             worth = gain * self.horizon_s > delayed * min(1.0, cost_ms / slo.ttft_ms) + lost
             kind = f"goodput {new.goodput:.2f} vs {cur.goodput:.2f} req/s"
         elif (tie and not (cur.saturated or new.saturated)  # light load: its gaps decide
-              and not regroup and _arrivals_behind(traffic) >= TAIL_MIN_ARRIVALS
+              and not regroup and traffic.behind >= TAIL_MIN_ARRIVALS
               and traffic.rate <= LIGHT * self.capacity(self.current)
               and self._tails_over(self.current, preds, TAIL_LEAVE)):
             # each request of the horizon is spared at least one such gap; the switch

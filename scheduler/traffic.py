@@ -51,9 +51,14 @@ class Traffic:
         return _tail_above(seen, expected) < SIGNIFICANCE or _tail_below(seen, expected) < SIGNIFICANCE
 
     @property
+    def behind(self) -> int:
+        """The arrivals behind ``rate``."""
+        return self.n_short if self.short else self.n_long
+
+    @property
     def uncertainty(self) -> float:
         """The rate's relative standard error (Poisson: 1 / sqrt(arrivals behind it))."""
-        return 1.0 / math.sqrt(max(1, self.n_short if self.short else self.n_long))
+        return 1.0 / math.sqrt(max(1, self.behind))
 
     @property
     def rate(self) -> float:
@@ -135,8 +140,8 @@ class Arrivals:
         # A silence longer than the short window before the latest arrival is part of
         # what the short window saw: after a burst, one arrival 9 s later is a lull,
         # not one arrival in 3 s.
-        before = [t for t, _, _ in self._seen if t < now]
-        window = min(max(self.short_s, now - before[-1] if before else 0.0), self.long_s)
+        prev = next((t for t, _, _ in reversed(self._seen) if t < now), None)
+        window = min(max(self.short_s, 0.0 if prev is None else now - prev), self.long_s)
         if window > self.short_s:
             short = sum(1 for t, _, _ in self._seen if t > now - window)
         else:
