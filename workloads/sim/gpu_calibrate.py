@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from scheduler.costs import interpolate
 from workloads.sim.profile import PROFILES_DIR
 
 #: Where the shipped measurements live (``gpu_measure``'s output files, by device).
@@ -59,7 +60,4 @@ def calibrated(formula: Callable[[int], float], points: dict[int, float], x: int
         return formula(x) + points[lo] - formula(lo)
     if x >= hi:
         return formula(x) * points[hi] / formula(hi)
-    for a, b in zip(xs, xs[1:], strict=False):
-        if a <= x <= b:
-            return points[a] + (points[b] - points[a]) * (x - a) / (b - a)
-    raise AssertionError("unreachable: lo < x < hi")
+    return interpolate(tuple((float(b), points[b]) for b in xs), x)
