@@ -82,16 +82,22 @@ def test_a_prefill_measured_only_long_scales_down_with_dp_shape():
     assert costs.prefill(2, 100) < costs.prefill(1, 100)
 
 
-def test_noisy_points_never_make_a_bigger_step_cheaper_nor_batching_free():
-    """Measured on a busy machine: the TP-2 step at batch 4 below the one at batch 3.
-    The curve stays non-decreasing, and beyond its last point TP grows as DP does
-    (flat would predict unbounded capacity for the mode measured at small batches)."""
+def test_a_stretched_point_is_bounded_by_a_bigger_cheaper_step():
+    """Measured on a busy machine: the TP-2 step at batch 3 stretched above the one at
+    batch 4 (a stall inside one sample). Noise only stretches steps, so the bigger
+    step's time bounds the smaller one: the curve is lowered there, stays
+    non-decreasing, and the stalled point does not price bigger batches. Beyond its
+    last point TP grows as DP does (flat would predict unbounded capacity)."""
     costs = Costs({1: 5.5, 2: 6.0}, {
         1: Curve.of([(1, 5.5), (4, 7.6), (16, 22.0)]),
-        2: Curve.of([(1, 6.0), (3, 15.7), (4, 11.8)]),
+        2: Curve.of([(1, 6.0), (3, 49.1), (4, 11.8)]),
     })
-    assert costs.decode(2, 4) == pytest.approx(15.7)
-    assert costs.decode(2, 16) == pytest.approx(15.7 * 22.0 / 7.6)
+    assert costs.decode(2, 3) == pytest.approx(11.8)
+    assert costs.decode(2, 4) == pytest.approx(11.8)
+    assert costs.decode(2, 2) == pytest.approx(6.0 + (11.8 - 6.0) / 2)
+    assert costs.decode(2, 16) == pytest.approx(11.8 * 22.0 / 7.6)
+    steps = [costs.decode(2, b) for b in (1, 2, 3, 4, 8, 16)]
+    assert steps == sorted(steps)
 
 
 def test_costs_json_round_trip():
