@@ -323,14 +323,20 @@ def test_body_priority_takes_effect_on_the_node_that_got_it(cluster):
     forms its own group. On the OpenAI endpoints it arrives where the router keeps it
     (``BODY_PRIORITY_CARRIED``); the same chat body sent to a node directly runs in a
     group, so a miss through the router is the router's."""
-    seen = set()
-    for i in range(4):
+    seen: set[str] = set()
+    deadline = time.monotonic() + ROUTER_NOTICE_S
+    i = 0
+    while seen != set(NODES):  # each node forms its own group
+        # smg's overload protection may leave a node out until its next load poll (its
+        # KV usage after a group session): round robin then resumes within seconds.
+        assert i < 4 or time.monotonic() < deadline, ("one node only", seen)
         resp = cluster.post("/generate", _generate(f"urgent {i}", priority=1))
         flying = resp.json()["meta_info"]["flying"]
         assert flying["mode"] == "tp" and flying["degree"] == 2, flying
         assert flying["ranks"] == [0, 1] and flying["node"] == resp.headers["x-flying-node"]
         seen.add(flying["node"])
-    assert seen == set(NODES)  # each node formed its own group
+        i += 1
+        time.sleep(0.5 if i >= 4 else 0)
     for path, body in PRIORITY_BODIES.items():
         before = {name: _tp_requests(node) for name, node in cluster.nodes.items()}
         name = cluster.post(path, body).headers["x-flying-node"]

@@ -5,8 +5,13 @@ benchmarks all start servers through this module, so start-up, readiness, log ha
 clean shutdown behave the same everywhere. The package must not import ``tests``; tests
 import this module (``tests/server.py`` re-exports it for older imports).
 
-A server runs in its own session (process group) so that ``stop`` can end the whole tree
-(HTTP server, tokenizer, detokenizer, DP controller, engines) even when its leader is gone.
+A server runs in its own process group so that ``stop`` can end the whole tree (HTTP
+server, tokenizer, detokenizer, DP controller, engines) even when its leader is gone, but
+in the caller's session: on a kernel with session autogroup scheduling
+(``/proc/sys/kernel/sched_autogroup_enabled``) a server in a session of its own would
+compete with the benchmark client as one scheduling group, and its engines would lose
+their cores for up to a second whenever the client is busy (stalls measured in both
+Flying and plain SGLang that a server started from a shell does not show).
 Its combined output goes to a log file that callers read (e.g. for "flying: applied" lines).
 """
 
@@ -67,10 +72,11 @@ class Server:
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             self.command,
+            stdin=subprocess.DEVNULL,  # a background group must never read the terminal
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env={**os.environ, **(env or {})},
-            start_new_session=True,
+            process_group=0,  # its own group, the caller's session (module docstring)
         )
 
     def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> float:
