@@ -114,8 +114,10 @@ def test_arrival_rates_short_and_long_windows():
     for i in range(12):  # a burst: 6 req/s for 2 s
         arrivals.note(40.0 + i / 6, 200, None)
     burst = arrivals.traffic(42.0)
-    # a new phase: the quiet arrivals no longer count, the burst's rate is the rate
-    assert burst.rate == pytest.approx(4.0) and burst.n_long == 12 and burst.prompt == 200
+    # a new phase: the quiet arrivals no longer count, the burst's rate is the rate;
+    # sizes are the latest arrivals' whatever their phase (20 of 100 tokens, 12 of 200)
+    assert burst.rate == pytest.approx(4.0) and burst.n_long == 12
+    assert burst.prompt == pytest.approx((20 * 100 + 12 * 200) / 32, abs=0.01)
     steady = Traffic(0.0, rate_short=0.8, rate_long=0.5)  # noise of a steady rate
     assert steady.rate == 0.5
     ended = Traffic(0.0, rate_short=0.0, rate_long=4.0)  # nothing for 3 s at 4 req/s
@@ -133,6 +135,23 @@ def test_one_arrival_after_a_long_silence_reads_as_a_lull():
     arrivals.note(29.4 + 9.0, 100, 50)
     lull = arrivals.traffic(38.4)
     assert lull.n_long == 1 and lull.rate < 0.5
+
+
+def test_an_arrival_after_a_silence_longer_than_the_long_window_starts_afresh():
+    """A minute of silence, then one request: it reads as the node's first arrival
+    does (1 req/s over the 1 s floor), not as one arrival in 30 s, and the sizes are
+    still the earlier requests' (a one-off warm-up does not set them)."""
+    first = Arrivals(short_s=3.0, long_s=30.0)
+    first.note(0.0, 100, 64)
+    arrivals = Arrivals(short_s=3.0, long_s=30.0)
+    for i in range(40):  # a 1.5 req/s round of 200-token prompts
+        arrivals.note(i / 1.5, 200, 64)
+    arrivals.note(26.0 + 60.0, 100, 32)  # a warm-up request after a minute's silence
+    after = arrivals.traffic(86.0)
+    assert after.rate == first.traffic(0.0).rate == 1.0
+    assert after.n_long == 1 and arrivals.phases == 1
+    assert after.prompt == pytest.approx((40 * 200 + 100) / 41, abs=0.01)
+    assert after.output == pytest.approx((40 * 64 + 32) / 41, abs=0.01)
 
 
 @pytest.mark.parametrize("rate", [1.0, 5.0])
