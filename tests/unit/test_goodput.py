@@ -360,6 +360,26 @@ def test_latency_never_takes_a_group_whose_gaps_tail_beyond_dp():
     assert left.layout == dp and "ITL p99" in left.reason, left.reason
 
 
+def test_latency_checks_the_tails_at_the_upper_edge_of_the_rates_band():
+    """A rate of 0.2 req/s read from four arrivals (one standard error: +-50 %) may be
+    0.3: there the group's p99 gap is a prefill pause where DP's is a decode step, so
+    latency keeps DP; the same rate seen over 100 arrivals takes the group. One arrival
+    reads as the 1 s floor (a convention, not an estimate): the band is not applied."""
+    slo = derive_slo(PolicyConfig(), TP_LIGHT, (2,), 128)
+    dp, tp = Layout((1, 1)), Layout((2,))
+    for behind, want in ((100, tp), (4, dp)):
+        chooser = LayoutChooser(2, (2,), 10.0, 0.10, 4096)
+        traffic = Traffic(0, 0.2, 0.2, 128, 64, behind, behind)
+        got = chooser.choose(0.0, TP_LIGHT, traffic, 0, 0, slo, SwitchCosts())
+        assert got.layout == want, (behind, got.reason)
+    upper = LayoutChooser(2, (2,), 10.0, 0.10, 4096).predict_all(
+        TP_LIGHT, Traffic(0, 0.3, 0.3, 128, 64, 4, 4), 0, slo)
+    assert upper[tp].itl_tails_ms[1] > 1.05 * upper[dp].itl_tails_ms[1]
+    first = LayoutChooser(2, (2,), 10.0, 0.10, 4096)
+    assert first.choose(0.0, TP_LIGHT, Traffic(0, 0.2, 0.2, 128, 64, 1, 1), 0, 0, slo,
+                        SwitchCosts()).layout == tp
+
+
 def test_a_switch_costing_more_than_it_gains_is_not_taken():
     dear = SwitchCosts(bind_ms=2.0, move_ms_per_ktok=1e6)  # moving KV: ~forever
     trace = _run(TP_LIGHT, BURSTY, switch=dear, running_per_rate=5.0)
