@@ -137,17 +137,18 @@ def test_one_arrival_after_a_long_silence_reads_as_a_lull():
     assert lull.n_long == 1 and lull.rate < 0.5
 
 
-def test_an_arrival_after_a_silence_longer_than_the_long_window_starts_afresh():
-    """A minute of silence, then one request: it reads as the node's first arrival
-    does (1 req/s over the 1 s floor), not as one arrival in 30 s, and the sizes are
-    still the earlier requests' (a one-off warm-up does not set them)."""
+@pytest.mark.parametrize("silence", [25.0, 60.0])
+def test_an_arrival_after_a_long_silence_starts_afresh(silence):
+    """Silence (longer than ``SILENCE_S``), then one request: it reads as the node's
+    first arrival does (1 req/s over the 1 s floor), not as one arrival in 30 s, and
+    the sizes are still the earlier requests' (a one-off warm-up does not set them)."""
     first = Arrivals(short_s=3.0, long_s=30.0)
     first.note(0.0, 100, 64)
     arrivals = Arrivals(short_s=3.0, long_s=30.0)
     for i in range(40):  # a 1.5 req/s round of 200-token prompts
         arrivals.note(i / 1.5, 200, 64)
-    arrivals.note(26.0 + 60.0, 100, 32)  # a warm-up request after a minute's silence
-    after = arrivals.traffic(86.0)
+    arrivals.note(26.0 + silence, 100, 32)  # a warm-up request after the silence
+    after = arrivals.traffic(26.0 + silence)
     assert after.rate == first.traffic(0.0).rate == 1.0
     assert after.n_long == 1 and arrivals.phases == 1
     assert after.prompt == pytest.approx((40 * 200 + 100) / 41, abs=0.01)
