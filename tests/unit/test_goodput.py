@@ -381,6 +381,22 @@ def test_latency_checks_the_tails_at_the_upper_edge_of_the_rates_band():
                         SwitchCosts()).layout == tp
 
 
+def test_latency_takes_a_group_only_where_the_load_is_light_across_the_rates_band():
+    """At 0.4x the group's capacity the load is light; read from two arrivals (one
+    standard error: +-71 %) it may be 0.68x, not light: latency keeps DP until the rate
+    is known (the hidden-1024 model: a round's second arrival read 0.73 req/s and the
+    round's burst joined the group)."""
+    slo = derive_slo(PolicyConfig(), TP_ALWAYS, (2,), 128)
+    probe = LayoutChooser(2, (2,), 10.0, 0.10, 4096)
+    probe.predict_all(TP_ALWAYS, Traffic(0, 1.0, 1.0, 128, 64, 100, 100), 0, slo)
+    rate = 0.4 * probe.capacity(Layout((2,)))
+    for behind, want in ((100, "1xTP2"), (2, "2xDP")):
+        chooser = LayoutChooser(2, (2,), 10.0, 0.10, 4096)
+        traffic = Traffic(0, rate, rate, 128, 64, behind, behind)
+        got = chooser.choose(0.0, TP_ALWAYS, traffic, 0, 0, slo, SwitchCosts())
+        assert got.layout.name == want, (behind, got.reason)
+
+
 def test_a_switch_costing_more_than_it_gains_is_not_taken():
     dear = SwitchCosts(bind_ms=2.0, move_ms_per_ktok=1e6)  # moving KV: ~forever
     trace = _run(TP_LIGHT, BURSTY, switch=dear, running_per_rate=5.0)
