@@ -217,15 +217,17 @@ class LayoutChooser:
         stay within ``TAIL_TOLERANCE`` of DP's: one group pauses every running request
         for each arrival's prefill, where DP engines split the arrivals (measured on the
         hidden-1024 model at 0.6 req/s: TTFT p50 0.55x DP but ITL p99 2.8x, every long
-        gap another request's prefill). ``rate`` is the upper edge of the rate's
-        one-standard-error band, and the tails are checked at the rate and at that edge
-        (``upper``): on the hidden-1024 model a round's second arrival, 2.7 s after its
-        first, read 0.73 req/s, under half the group's predicted capacity, and the
-        round's burst joined the group. And a group's tails grow with
-        the rate twice as fast as DP's (it takes every arrival), and a rate read from a
-        lull's few arrivals let latency form a group that the tail rule left again once
-        the rate was back (measured on the hidden-1024 model at 0.6 req/s: four round
-        trips in a round, ITL p95 1.46x groups-off)."""
+        gap another request's prefill).
+
+        Both hold across the rate's uncertainty: ``rate`` (the light test's) is the
+        upper edge of its one-standard-error band, and the tails are checked at the rate
+        and at that edge (``upper``). On the hidden-1024 model a round's second arrival,
+        2.7 s after its first, read 0.73 req/s, under half the group's predicted
+        capacity, and the round's burst joined the group; and a group's tails grow with
+        the rate twice as fast as DP's (it takes every arrival), so a rate read from a
+        lull's few arrivals let latency form a group that the tail rule left once the
+        rate was back (at 0.6 req/s: four round trips in a round, ITL p95 1.46x
+        groups-off)."""
         top = max(p.goodput for p in preds.values())
         equal = [lay for lay, p in preds.items() if p.goodput >= top * (1 - GOODPUT_TIE)]
         keeping_up = [lay for lay in equal if not preds[lay].saturated]

@@ -124,7 +124,7 @@ class Arrivals:
     def __init__(self, short_s: float = SHORT_S, long_s: float = LONG_S,
                  silence_s: float = SILENCE_S):
         self.short_s, self.long_s, self.silence_s = short_s, long_s, silence_s
-        self._seen: deque[tuple[float, int, int]] = deque()
+        self._seen: deque[float] = deque()  # arrival times
         self._sizes: deque[tuple[int, int]] = deque(maxlen=SIZE_SAMPLES)
         self._start: float | None = None  # the first arrival, or the phase's start
         self.phases = 0  # phases started after the first (``traffic``)
@@ -132,11 +132,11 @@ class Arrivals:
     def note(self, now: float, prompt_len: int, max_new_tokens: int | None) -> None:
         output = UNBOUNDED_OUTPUT if max_new_tokens is None else max(1, max_new_tokens)
         if self._start is not None and (not self._seen
-                                        or self._seen[-1][0] < now - self.silence_s):
+                                        or self._seen[-1] < now - self.silence_s):
             self._seen.clear()
             self._start = None
             self.phases += 1
-        self._seen.append((now, prompt_len, output))
+        self._seen.append(now)
         self._sizes.append((prompt_len, output))
         if self._start is None:
             self._start = now
@@ -144,7 +144,7 @@ class Arrivals:
 
     def _trim(self, now: float) -> None:
         start = max(now - self.long_s, now if self._start is None else self._start)
-        while self._seen and self._seen[0][0] < start:
+        while self._seen and self._seen[0] < start:
             self._seen.popleft()
 
     def traffic(self, now: float) -> Traffic:
@@ -167,13 +167,13 @@ class Arrivals:
         # A silence longer than the short window before the latest arrival is part of
         # what the short window saw: after a burst, one arrival 9 s later is a lull,
         # not one arrival in 3 s.
-        prev = next((t for t, _, _ in reversed(self._seen) if t < now), None)
+        prev = next((t for t in reversed(self._seen) if t < now), None)
         window = min(max(self.short_s, 0.0 if prev is None else now - prev), self.long_s)
         if window > self.short_s:
-            short = sum(1 for t, _, _ in self._seen if t > now - window)
+            short = sum(1 for t in self._seen if t > now - window)
         else:
-            short = sum(1 for t, _, _ in self._seen if t >= now - self.short_s)
-        n, sizes = len(self._seen), self._sizes or [(p, o) for _, p, o in self._seen]
+            short = sum(1 for t in self._seen if t >= now - self.short_s)
+        n, sizes = len(self._seen), self._sizes
         return Traffic(
             now,
             rate_short=round(short / min(window, age), 4),
