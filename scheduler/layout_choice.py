@@ -85,6 +85,12 @@ REACH = 1.0
 
 
 
+def _band_edge(traffic: Traffic, k: float) -> float:
+    """The rate ``k`` standard errors from the estimate (``Traffic.uncertainty``), kept
+    at least ``MIN_BAND`` of it."""
+    return max(MIN_BAND * traffic.rate, traffic.rate * (1.0 + k * traffic.uncertainty))
+
+
 def _sig2(x: float) -> float:
     """``x`` to two significant digits (request sizes: the capacity cache's key)."""
     return float(f"{x:.2g}")
@@ -184,7 +190,7 @@ class LayoutChooser:
         better at any rate; the edge is kept above 0 for that.)"""
         gains = []
         for k in (-1.0, 1.0):
-            rate = max(MIN_BAND * traffic.rate, traffic.rate * (1.0 + k * traffic.uncertainty))
+            rate = _band_edge(traffic, k)
             preds = self.predict_all(costs, traffic, queued, slo, rate)
             share = (preds[best].goodput - preds[self.current].goodput) / rate
             gains.append(share * traffic.rate)
@@ -286,7 +292,7 @@ class LayoutChooser:
         # at its upper edge too (one arrival's rate is the 1 s floor, not an estimate).
         upper, top = None, traffic.rate
         if traffic.behind >= 2 and any(lay.groups for lay in reach):
-            top = traffic.rate * (1.0 + traffic.uncertainty)
+            top = _band_edge(traffic, 1.0)
             upper = self.predict_all(costs, traffic, queued, slo, top)
         best = self._best(reach, output, costs, top, upper)
         cur, new = preds[self.current], preds[best]
