@@ -92,8 +92,9 @@ def _mean(values: list[float]) -> float:
 
 
 def merge(engines: list[dict]) -> Costs | None:
-    """Per degree, the mean of the engines' measured decode step (ms), and per curve
-    point (degree, kind, bucket) the mean of the engines' points; None if none."""
+    """Per degree, the mean of the engines' measured decode step (ms) and of their
+    stretch (over the engines that ran the mode lately), and per curve point (degree,
+    kind, bucket) the mean of the engines' points; None if none."""
     per: dict[int, list[float]] = {}
     points: dict[tuple[int, str, int], list[tuple[float, float]]] = {}
     for doc in engines:
@@ -106,6 +107,10 @@ def merge(engines: list[dict]) -> Costs | None:
                     points.setdefault(key, []).append((float(work), float(ms)))
     if not per:
         return None
+    stretch: dict[int, list[float]] = {}
+    for doc in engines:
+        for degree, x in (doc.get("stretch") or {}).items():
+            stretch.setdefault(int(degree), []).append(float(x))
     curves: dict[int, dict[str, list]] = {}
     for (degree, kind, _), pts in sorted(points.items()):
         work, ms = _mean([w for w, _ in pts]), _mean([m for _, m in pts])
@@ -114,6 +119,7 @@ def merge(engines: list[dict]) -> Costs | None:
     return Costs(
         {d: round(_mean(v), 4) for d, v in sorted(per.items())},
         {d: Curve.of(c["decode"], c["prefill"]) for d, c in curves.items()},
+        {d: round(_mean(v), 3) for d, v in sorted(stretch.items())},
     )
 
 

@@ -31,6 +31,14 @@ So a degree's cost is the lowest its windowed percentile has been (``best``): ea
 mode's capability, for DP and TP measured alike by the probe on the same quiet machine
 and lowered by traffic when a mode runs faster, never raised by contention that would
 stretch either mode.
+
+The stretch is published beside the curves, not folded into them (``stretch``): per
+degree, a low percentile of the recent samples' ratio to their point's best, over the
+last ``STRETCH_S`` seconds. The curves say what a step costs on a quiet machine; the
+stretch says how much slower the mode's steps run now (measured on the hidden-1024
+model: at 0.6 req/s DP's TPOT was ~2x what its quiet curve predicts). The policy's
+service model reads both (``scheduler.costs.Costs.loaded``); the SLOs and the "is a group
+faster" test read the quiet curves alone.
 """
 
 from __future__ import annotations
@@ -47,6 +55,11 @@ MAX_SAMPLE_S = 5.0
 #: A window's percentile becomes a point's best only from this many samples on (the
 #: probe's calibration gives 15 per degree); until then the percentile itself is used.
 MIN_SAMPLES = 8
+#: The stretch is read from the samples of the last STRETCH_S seconds (at most
+#: STRETCH_WINDOW of them per degree, at least MIN_SAMPLES): a mode that has not run
+#: lately has none (its steps' cost now is unknown).
+STRETCH_S = 10.0
+STRETCH_WINDOW = 64
 
 DECODE, PREFILL = "decode", "prefill"
 #: (degree, kind, bucket): one curve point.
@@ -72,6 +85,8 @@ class StepClock:
         self._samples: dict[int, int] = {}  # single-request decode samples per degree
         self._best: dict[Key, tuple[float, float]] = {}  # lowest windowed percentile seen
         self._open: tuple[Sample, float] | None = None  # (sample, started) of a step
+        #: per degree: (when, sample ms / its point's best ms) of the latest samples
+        self._ratios: dict[int, deque[tuple[float, float]]] = {}
 
     def boundary(self) -> float:
         """A step boundary starts: close the step in progress (if it was a sample) at
@@ -80,7 +95,7 @@ class StepClock:
         if self._open is not None:
             (degree, kind, work), started = self._open
             if now - started <= MAX_SAMPLE_S:
-                self.record(degree, (now - started) * 1e3, kind, work)
+                self.record(degree, (now - started) * 1e3, kind, work, now)
         self._open = None
         return now
 
@@ -88,8 +103,13 @@ class StepClock:
         """The step that started at ``started`` is ``sample`` (None: not a sample)."""
         self._open = (sample, started) if sample is not None else None
 
-    def record(self, degree: int, ms: float, kind: str = DECODE, work: int = 1) -> None:
+    def record(self, degree: int, ms: float, kind: str = DECODE, work: int = 1,
+               now: float | None = None) -> None:
         key = (degree, kind, bucket(kind, work))
+        if key in self._best:
+            ratios = self._ratios.setdefault(degree, deque(maxlen=STRETCH_WINDOW))
+            now = time.perf_counter() if now is None else now
+            ratios.append((now, ms / self._best[key][1]))
         window = self._ms.setdefault(key, deque(maxlen=WINDOW))
         window.append((float(work), ms))
         if kind == DECODE and work == 1:
@@ -116,6 +136,18 @@ class StepClock:
         for (degree, kind, _), (work, ms) in self._points().items():
             curve = out.setdefault(degree, {DECODE: [], PREFILL: []})
             curve[kind].append([round(work, 2), round(ms, 4)])
+        return out
+
+    def stretch(self, now: float | None = None) -> dict[int, float]:
+        """Per degree that ran in the last ``STRETCH_S`` seconds (``MIN_SAMPLES`` steps
+        at least): the ``QUANTILE`` of its recent steps' cost over their point's best,
+        at least 1. Steps of a point without a best yet are not counted."""
+        now = time.perf_counter() if now is None else now
+        out = {}
+        for degree, ratios in sorted(self._ratios.items()):
+            recent = sorted(r for t, r in ratios if now - t <= STRETCH_S)
+            if len(recent) >= MIN_SAMPLES:
+                out[degree] = round(max(1.0, recent[int(QUANTILE * (len(recent) - 1))]), 3)
         return out
 
     def samples(self) -> dict[int, int]:

@@ -622,3 +622,41 @@ def test_interleave_lost_counts_the_running_and_the_arrivals_past_the_slo():
         only_running + 10.0 * (1.890 - 1.38 * 6.9 / 8), rel=1e-6)
     assert interleave_lost(cur, new, 0, 10.0, 300.0, slo) == 0.0
     assert interleave_lost(cur, new, 40, 10.0, 300.0, Slo(220.0, 12.6)) == 0.0
+
+
+def test_stretch_scales_each_mode_a_group_at_least_as_one_engine():
+    costs = Costs(TP_ALWAYS.decode_ms, TP_ALWAYS.curves, {1: 2.0})
+    loaded = costs.loaded()
+    assert loaded.stretch == {} and loaded.loaded() is loaded
+    assert loaded.decode(1, 4) == pytest.approx(2.0 * TP_ALWAYS.decode(1, 4))
+    assert loaded.decode(2, 4) == pytest.approx(2.0 * TP_ALWAYS.decode(2, 4))  # DP's
+    assert loaded.prefill(2, 128) == pytest.approx(2.0 * TP_ALWAYS.prefill(2, 128))
+    own = Costs(TP_ALWAYS.decode_ms, TP_ALWAYS.curves, {1: 1.5, 2: 3.0}).loaded()
+    assert own.decode(1, 4) == pytest.approx(1.5 * TP_ALWAYS.decode(1, 4))
+    assert own.decode(2, 4) == pytest.approx(3.0 * TP_ALWAYS.decode(2, 4))
+    assert TP_ALWAYS.loaded() is TP_ALWAYS
+    assert Costs(TP_ALWAYS.decode_ms, TP_ALWAYS.curves, {1: 1.0}).loaded().stretch == {1: 1.0}
+    doc = json.loads(json.dumps(costs.to_json()))
+    assert Costs.from_json(doc) == costs
+
+
+def test_a_goodput_switch_must_also_pay_at_the_costs_the_steps_run_at_now():
+    """Quiet points put the group's TPOT within the SLO and DP's past it: a goodput
+    switch. Where DP's steps run 2x slower than their points now, both are past it at
+    the costs as they run (the hidden-1024 model at 1.5 req/s: a group formed for a
+    predicted 0.11 req/s within SLO where DP served none, and streamed 1.4x slower
+    than DP): DP is kept."""
+    slo = Slo(ttft_ms=1500.0, tpot_ms=35.0)  # DP's 43 ms a token past it, TP-2's 28 within
+    dp, tp = Layout((1, 1)), Layout((2,))
+    traffic = Traffic(0, 1.2, 1.2, 128, 64, 100, 100)
+    quiet = LayoutChooser(2, (2,), 10.0, 0.10, 4096)
+    preds = quiet.predict_all(TP_ALWAYS, traffic, 0, slo)
+    assert preds[tp].goodput > 2 * preds[dp].goodput + 0.1, preds
+    got = quiet.choose(0.0, TP_ALWAYS, traffic, 0, 0, slo, SwitchCosts())
+    assert got.layout == tp, got.reason
+    stretched = Costs(TP_ALWAYS.decode_ms, TP_ALWAYS.curves, {1: 2.0})
+    chooser = LayoutChooser(2, (2,), 10.0, 0.10, 4096)
+    got = chooser.choose(0.0, stretched, traffic, 0, 0, slo, SwitchCosts())
+    assert got.layout == dp and "run at now" in got.reason, got.reason
+    # the quiet predictions (and the capacities the latency rule reads) are unchanged
+    assert chooser.predict_all(stretched, traffic, 0, slo) == preds

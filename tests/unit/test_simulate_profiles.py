@@ -10,6 +10,7 @@ import pytest
 
 from flying.node.config import FlyingConfig
 from flying.node.costs_reader import merge
+from scheduler.costs import Costs
 from workloads.load.presets import build_preset
 from workloads.measure.records import save_records
 from workloads.sim import gpu_profile
@@ -91,12 +92,16 @@ def test_a_status_document_gives_the_merged_curves_and_the_smallest_pool(tmp_pat
                     "2": {"decode": [[1, 9.0]], "prefill": []}}},
         {"rank": 1, "mode": "dp", "degrees": [2], "total_kv_slots": 16000, "binds": 2,
          "switch_ms_sum": 2.0, "decode_ms": {"1": 8.0, "2": 11.0},
-         "curves": {"1": {"decode": [[1, 8.0]], "prefill": [[128, 34.0]]}}},
+         "curves": {"1": {"decode": [[1, 8.0]], "prefill": [[128, 34.0]]}},
+         "stretch": {"1": 2.0}},
     ]
+    engines[0]["stretch"] = {"1": 1.5, "2": 1.2}
     path = tmp_path / "status.json"
     path.write_text(json.dumps({"engines": engines}))
     got = from_status(path, kv_heads=4)
-    assert got.costs == merge(engines)
+    merged = merge(engines)
+    assert merged.stretch == {1: 1.75, 2: 1.2}  # over the engines that ran the mode
+    assert got.costs == Costs(merged.decode_ms, merged.curves)  # the quiet points only
     assert got.costs.decode_ms == {1: 7.5, 2: 10.0}
     assert got.kv_tokens == 16000 and got.degrees == (2,) and got.switch.bind_ms == 2.0
 

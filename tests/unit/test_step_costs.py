@@ -136,3 +136,25 @@ def test_the_controller_reads_costs_off_its_loop(monkeypatch):
     assert reader.read() == costs and reader.switch() is not None
     assert time.monotonic() - start < 0.05
     store.gate.set()
+
+
+def test_stretch_is_the_recent_steps_cost_over_their_points_best():
+    """Once a point has a best, each step of it is a sample of how much slower the mode
+    runs now; the stretch is their low percentile over the last STRETCH_S seconds, at
+    least 1, and absent for a mode without enough recent steps."""
+    from flying.session.step_costs import MIN_SAMPLES, STRETCH_S
+
+    clock = StepClock()
+    for i in range(MIN_SAMPLES):  # the calibration: a best of 10 ms at batch 1
+        clock.record(1, 10.0, "decode", 1, now=float(i))
+    assert clock.stretch(now=float(MIN_SAMPLES)) == {}  # no step after the best yet
+    for i in range(MIN_SAMPLES):  # under load: 2x, the TP mode quiet
+        clock.record(1, 20.0, "decode", 1, now=100.0 + i)
+    for i in range(MIN_SAMPLES):  # the group's calibration: its best, no ratio yet
+        clock.record(2, 7.0, "decode", 1, now=100.0 + i)
+    assert clock.stretch(now=100.0 + MIN_SAMPLES) == {1: 2.0}  # a point's best stays
+    assert clock.curves()[1]["decode"] == [[1.0, 10.0]]  # contention never raises it
+    for i in range(MIN_SAMPLES):  # the group runs faster than its best: never below 1
+        clock.record(2, 5.0, "decode", 1, now=120.0 + i)
+    assert clock.stretch(now=120.0 + MIN_SAMPLES) == {2: 1.0}  # DP's steps: stale
+    assert 120.0 + MIN_SAMPLES - (100.0 + MIN_SAMPLES) > STRETCH_S

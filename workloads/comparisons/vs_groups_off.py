@@ -107,6 +107,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help=f"flags for both servers (default {DEFAULT_SERVER_ARGS!r})")
     p.add_argument("--off-args", default="",
                    help="extra flags for the groups-off server only (e.g. to isolate one cause)")
+    p.add_argument("--flying-args", default="",
+                   help="extra flags for Flying's server only (e.g. --flying-decision-log PATH)")
     p.add_argument("--rate", type=float, default=6.0, help="Poisson request rate, req/s")
     p.add_argument("--num-prompts", type=int, default=120)
     p.add_argument("--input-len", type=int, default=128)
@@ -130,8 +132,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         for name, extra in SYSTEMS.items():
             server_args = ["--model-path", args.model_path, *shlex.split(args.server_args), *extra]
-            if name == "groups-off":
-                server_args += shlex.split(args.off_args)
+            own = args.off_args if name == "groups-off" else args.flying_args
+            server_args += shlex.split(own)
             log(f"starting {name}: python -m flying.launch {shlex.join(server_args)}")
             servers[name], ready_s = start_server(server_args, out / f"{name}.server.log", retries=1)
             log(f"{name} ready in {ready_s:.0f} s at {servers[name].url}")

@@ -193,7 +193,8 @@ def from_decision_log(path: str | Path, chunk_tokens: int = DEFAULT_CHUNK,
         if "kind" not in ev and "config" in ev and "node" in ev:
             head = ev["node"]
         elif ev.get("kind", "place") == "place" and ev.get("costs"):
-            costs = Costs.from_json(ev["costs"])
+            logged = Costs.from_json(ev["costs"])  # its points, not the moment's stretch
+            costs = Costs(logged.decode_ms, logged.curves)
             switch = SwitchCosts(**ev["switch"]) if ev.get("switch") else switch
     if head is None or costs is None:
         raise ValueError(f"{path}: needs the head line and a placement line with costs")
@@ -217,13 +218,16 @@ def from_decision_log(path: str | Path, chunk_tokens: int = DEFAULT_CHUNK,
 def from_status(path: str | Path, kv_heads: int = 0, chunk_tokens: int = DEFAULT_CHUNK,
                 max_running: int = DEFAULT_MAX_RUNNING) -> Profile:
     """A profile from a saved ``/flying/status`` document: the engines' curve points
-    merged as the controller merges them, their measured bind and move times, and
-    their KV pools (the smallest engine's). The KV heads are not in the document."""
+    merged as the controller merges them (without their stretch), their measured bind
+    and move times, and their KV pools (the smallest engine's). The KV heads are not in
+    the document."""
     doc = json.loads(Path(path).read_text())
     engines = [e for e in doc.get("engines", []) if e.get("mode") != "unknown"]
     costs = merge(engines)
     if costs is None:
         raise ValueError(f"{path}: no engine has measured step costs")
+    # the quiet points only: the stretch is how the snapshot's moment ran, not the model
+    costs = Costs(costs.decode_ms, costs.curves)
     kv = [int(e["total_kv_slots"]) for e in engines if e.get("total_kv_slots")]
     if not kv:
         raise ValueError(f"{path}: no engine reports total_kv_slots")
