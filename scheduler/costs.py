@@ -140,8 +140,8 @@ class Costs:
         ``factor``, no stretch (without a stretch above 1: these costs themselves).
 
         The points are each mode's lowest cost, on a quiet machine; under load every
-        step runs slower (hidden-1024 model, DP at 0.6 req/s: TPOT ~2x what the quiet
-        curve predicts). A switch for goodput must pay at both
+        step runs slower (hidden-1024 model at 1.5 req/s: DP's steps 1.0-1.7x their
+        points, a TP-2 group's 1.2-1.6x). A switch for goodput must pay at both
         (``scheduler.layout_choice``); the SLOs and the latency test read the quiet
         points."""
         if all(self.factor(d) <= 1.0 for d in self.stretch):

@@ -211,9 +211,11 @@ class LayoutChooser:
         costs as the steps run now (``Costs.loaded``: the quiet points times each mode's
         measured stretch): the quiet points are each mode's best, and under load every
         step is slower, so a gain predicted from them alone may be the model's error
-        near the TPOT SLO's edge (hidden-1024 model at 1.5 req/s: a group predicted
-        to serve 0.11 req/s within SLO where DP served none; both streamed 4-5x past
-        the SLO, the group 1.4x slower than DP). True where nothing is stretched."""
+        near the TPOT SLO's edge, the model's cliff (hidden-1024 model at 1.5 req/s: a
+        group predicted to serve 0.11 req/s within SLO where DP served none; both
+        streamed 4-5x past the SLO, the group 1.4x slower than DP; no decision log was
+        kept of that run, so this check is not shown to have stopped that switch). True
+        where nothing is stretched."""
         if costs.loaded() is costs:
             return True
         preds = self.predict_all(costs, traffic, queued, slo, loaded=True)

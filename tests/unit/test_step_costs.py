@@ -140,7 +140,7 @@ def test_the_controller_reads_costs_off_its_loop(monkeypatch):
 
 def test_stretch_is_the_recent_steps_cost_over_their_points_best():
     """Once a point has a best, each step of it is a sample of how much slower the mode
-    runs now; the stretch is their low percentile over the last STRETCH_S seconds, at
+    runs now; the stretch is their mean over the last STRETCH_S seconds, at
     least 1, and absent for a mode without enough recent steps."""
     from flying.session.step_costs import MIN_SAMPLES, STRETCH_S
 
