@@ -171,3 +171,23 @@ def test_the_commands_help_prints(capsys):
     with pytest.raises(SystemExit) as done:
         simulate_main(["--help"])
     assert done.value.code == 0 and "--flying-tp-gain" in capsys.readouterr().out
+
+
+def test_validate_at_the_logged_stretch_runs_the_steps_that_much_slower(tmp_path):
+    """``--stretch logged``: the profile's points times the mean stretch the Flying run's
+    log recorded (the default runs them at their best)."""
+    _compare_dir(tmp_path, _small_kv())
+    log = tmp_path / "flying" / "decisions.jsonl"
+    lines = []
+    for line in log.read_text().splitlines():
+        ev = json.loads(line)
+        if ev.get("costs"):
+            ev["costs"]["stretch"] = {"1": 2.0}
+        lines.append(json.dumps(ev))
+    log.write_text("\n".join(lines) + "\n")
+    assert "+0.0%" in validate(tmp_path, frontend_ms=0.0)  # the stretch is not read
+    report = validate(tmp_path, frontend_ms=0.0, stretch="logged")
+    assert "stretch as logged DP: 2, TP-2: 2" in report, report.splitlines()[0]
+    row = next(line for line in report.splitlines() if line.startswith("| static-dp")
+               and "TPOT p50" in line)
+    assert float(row.split("|")[6].strip().rstrip("%")) > 90.0, row

@@ -20,6 +20,11 @@ the next step ends, ``--no-overlap`` for a run under ``--disable-overlap-schedul
 and every TTFT and E2E gets ``--frontend-ms`` (default ``CPU_FRONTEND_MS``, this CPU
 machine's measured frontend: not fitted to the runs). The error says how far the simulator's assumptions (docs/SIMULATOR.md) are
 from the machine the run measured.
+
+``--stretch logged`` runs the profile at the costs its steps ran at in the Flying run:
+each degree's points times the mean of the stretch its decision log recorded (how much
+slower the engines' steps ran than their best points, ``Costs.loaded``), where the
+default (``none``) runs them at their best, a quiet machine's.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from flying.node.config import FlyingConfig
+from scheduler.costs import Costs
 from workloads.load.slos import DEFAULT_SLOS
 from workloads.load.trace import TraceRequest
 from workloads.measure.metrics import Summary, flatten, summarize
@@ -70,6 +76,16 @@ def measured_profile(run_dir: Path, decision_log: str | None, kv_heads: int) -> 
         return from_status(status, kv_heads=kv_heads)
     raise SystemExit(f"error: no decision log ({log}) and no {status}: nothing measured to "
                      "build the profile from")
+
+
+def logged_stretch(log: Path) -> dict[int, float]:
+    """Per degree, the mean stretch over the log's placement lines that carry one."""
+    seen: dict[int, list[float]] = {}
+    for line in log.read_text().splitlines():
+        ev = json.loads(line) if line.strip() else {}
+        for degree, x in ((ev.get("costs") or {}).get("stretch") or {}).items():
+            seen.setdefault(int(degree), []).append(float(x))
+    return {d: sum(xs) / len(xs) for d, xs in sorted(seen.items())}
 
 
 def settings(system: str, engines: int, head: dict | None) -> tuple[str, FlyingConfig]:
@@ -114,7 +130,8 @@ def errors(simulated: Summary, measured: Summary) -> list[tuple[str, float | Non
 
 
 def validate(run_dir: Path, decision_log: str | None = None, kv_heads: int = 0,
-             frontend_ms: float = CPU_FRONTEND_MS, overlap: bool = True) -> str:
+             frontend_ms: float = CPU_FRONTEND_MS, overlap: bool = True,
+             stretch: str = "none") -> str:
     context_file = run_dir / "context.json"
     context = json.loads(context_file.read_text()) if context_file.is_file() else {}
     slos = context.get("goodput_slos_ms") or dict(DEFAULT_SLOS)
@@ -122,9 +139,18 @@ def validate(run_dir: Path, decision_log: str | None = None, kv_heads: int = 0,
                       frontend_ms=frontend_ms, overlap=overlap)
     engines = int((context.get("machine") or {}).get("engines (N)") or profile.max_engines)
     head = _head(run_dir, decision_log)
+    scaled = ""
+    if stretch == "logged":
+        log = Path(decision_log) if decision_log else run_dir / "flying" / "decisions.jsonl"
+        factors = logged_stretch(log) if log.is_file() else {}
+        costs = Costs(profile.costs.decode_ms, profile.costs.curves, factors)
+        profile = replace(profile, costs=costs.loaded())
+        scaled = "; stretch as logged " + ", ".join(
+            f"TP-{d}: {costs.factor(d):g}" if d > 1 else f"DP: {costs.factor(d):g}"
+            for d in sorted(set(profile.costs.decode_ms) | set(factors)))
     lines = [f"SIMULATED vs MEASURED: {run_dir} ({engines} engines; profile: {profile.source}; "
              f"overlap loop {'on' if overlap else 'off'}; frontend {frontend_ms:g} ms; "
-             f"goodput SLOs {slos})", "",
+             f"goodput SLOs {slos}{scaled})", "",
              "| system | simulated as | metric | simulated | measured | error |",
              "|---|---|---|---|---|---|"]
     for system in SYSTEMS:
@@ -161,9 +187,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
                         help="SGLang's overlap loop (--no-overlap: the runs used "
                         "--disable-overlap-schedule)")
+    parser.add_argument("--stretch", choices=("none", "logged"), default="none",
+                        help="run the profile's steps at their best points (none) or "
+                        "slowed by the mean stretch the decision log recorded (logged)")
     args = parser.parse_args(argv)
     print(validate(Path(args.run_dir), args.decision_log, args.kv_heads, args.frontend_ms,
-                   args.overlap))
+                   args.overlap, args.stretch))
     return 0
 
 
