@@ -126,10 +126,10 @@ class Costs:
 
     def factor(self, degree: int) -> float:
         """How much slower a ``degree`` step runs now than its quiet point: its own
-        stretch, and for a group at least one engine's (the group's cores are the DP
-        engines' cores, shared with the same processes; measured on the 2-core machine
-        at 1.5 req/s: a group streamed at 312 ms a token where DP streamed at 225, from
-        quiet steps faster than DP's). At least 1."""
+        stretch, and for a group at least one engine's (a group runs on its members'
+        devices, shared with the same processes: a group that has not run lately is
+        taken to be slowed as the engines are now, not to run as on a quiet machine).
+        At least 1."""
         own = self.stretch.get(degree, 1.0)
         if degree != 1:
             own = max(own, self.stretch.get(1, 1.0))
