@@ -121,6 +121,11 @@ class FlyingCollector:
         degree = GaugeMetricFamily(
             "flying_engine_tp_degree", "TP degree an engine runs at (1 = DP mode)", labels=["engine"]
         )
+        stretch = GaugeMetricFamily(
+            "flying_engine_step_stretch", "how much slower an engine's steps in a mode ran "
+            "over the last 10 s than their best measured cost (1 = as on a quiet machine)",
+            labels=["engine", "degree"],
+        )
         counters = {
             key: CounterMetricFamily(f"flying_{key}", help_, labels=["engine"])
             for key, help_ in (
@@ -145,6 +150,8 @@ class FlyingCollector:
         for e in doc.get("engines", []):
             rank = str(e.get("rank"))
             degree.add_metric([rank], int(e.get("degree", 1)))
+            for mode, x in sorted((e.get("stretch") or {}).items()):
+                stretch.add_metric([rank, str(mode)], float(x))
             for key, fam in counters.items():
                 fam.add_metric([rank], e.get(key, 0))
             for i, n in enumerate(e.get("switch_hist", [])):
@@ -156,6 +163,7 @@ class FlyingCollector:
                     [rank], _buckets(SESSION_BUCKETS_S, session_hist), e.get("session_s_sum", 0.0)
                 )
         yield degree
+        yield stretch
         yield from counters.values()
         hist = HistogramMetricFamily(
             "flying_switch_latency_seconds", "bind received -> first TP group step"
