@@ -216,9 +216,10 @@ class LayoutChooser:
         streamed 4-5x past the SLO, the group 1.4x slower than DP; no decision log was
         kept of that run, so this check is not shown to have stopped that switch). True
         where nothing is stretched."""
-        if costs.loaded() is costs:
+        loaded = costs.loaded()
+        if loaded is costs:
             return True
-        preds = self.predict_all(costs, traffic, queued, slo, loaded=True)
+        preds = self.predict_all(loaded, traffic, queued, slo, loaded=True)  # scaled once
         cur = preds[self.current].goodput
         return preds[best].goodput - cur > GOODPUT_MARGIN * cur
 
