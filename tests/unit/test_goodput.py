@@ -660,3 +660,27 @@ def test_a_goodput_switch_must_also_pay_at_the_costs_the_steps_run_at_now():
     assert got.layout == dp and "run at now" in got.reason, got.reason
     # the quiet predictions (and the capacities the latency rule reads) are unchanged
     assert chooser.predict_all(stretched, traffic, 0, slo) == preds
+
+
+#: the hidden-1024 model's costs as a node logged them (session 34, 0.6 req/s run)
+H1024_LOGGED = Costs.from_json({
+    "decode_ms": {"1": 41.7467, "2": 33.453},
+    "curves": {"1": {"decode": [[1.0, 41.7467], [4.0, 94.447]],
+                     "prefill": [[6.17, 61.7822], [127.5, 476.5891], [381.0, 1284.3839]]},
+               "2": {"decode": [[1.0, 33.453], [3.0, 75.7196], [4.0, 53.4623]],
+                     "prefill": [[384.0, 554.2252]]}}})
+
+
+@pytest.mark.parametrize("stretch, want", [(None, "1xTP2"), (1.1, "1xTP2"), (1.2, "2xDP"),
+                                           (1.5, "2xDP")])
+def test_on_logged_costs_a_goodput_switch_is_refused_at_the_stretch_the_run_measured(
+        stretch, want):
+    """At 0.8 req/s (known from 200 arrivals of 222 / 32 tokens), the quiet points switch
+    to TP-2 for goodput (0.80 vs 0.53 req/s); that run measured DP's stretch at
+    1.06-1.45, and from 1.2 on the gain is not there at the costs the steps ran at."""
+    slo = Slo(ttft_ms=3627.7, tpot_ms=62.62)
+    costs = Costs(H1024_LOGGED.decode_ms, H1024_LOGGED.curves, {1: stretch} if stretch else {})
+    chooser = LayoutChooser(2, (2,), 10.0, 0.10, 16384)
+    got = chooser.choose(0.0, costs, Traffic(0, 0.8, 0.8, 222, 32, 200, 200), 0, 0, slo,
+                         SwitchCosts())
+    assert got.layout.name == want, got.reason
