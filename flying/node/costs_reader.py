@@ -97,7 +97,10 @@ def merge(engines: list[dict]) -> Costs | None:
     kind, bucket) the mean of the engines' points; None if none."""
     per: dict[int, list[float]] = {}
     points: dict[tuple[int, str, int], list[tuple[float, float]]] = {}
+    stretch: dict[int, list[float]] = {}
     for doc in engines:
+        for degree, x in (doc.get("stretch") or {}).items():
+            stretch.setdefault(int(degree), []).append(float(x))
         for degree, ms in (doc.get("decode_ms") or {}).items():
             per.setdefault(int(degree), []).append(float(ms))
         for degree, curve in (doc.get("curves") or {}).items():
@@ -107,10 +110,6 @@ def merge(engines: list[dict]) -> Costs | None:
                     points.setdefault(key, []).append((float(work), float(ms)))
     if not per:
         return None
-    stretch: dict[int, list[float]] = {}
-    for doc in engines:
-        for degree, x in (doc.get("stretch") or {}).items():
-            stretch.setdefault(int(degree), []).append(float(x))
     curves: dict[int, dict[str, list]] = {}
     for (degree, kind, _), pts in sorted(points.items()):
         work, ms = _mean([w for w, _ in pts]), _mean([m for _, m in pts])
