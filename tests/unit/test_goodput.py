@@ -684,3 +684,37 @@ def test_on_logged_costs_a_goodput_switch_is_refused_at_the_stretch_the_run_meas
     got = chooser.choose(0.0, costs, Traffic(0, 0.8, 0.8, 222, 32, 200, 200), 0, 0, slo,
                          SwitchCosts())
     assert got.layout.name == want, got.reason
+
+
+#: a decision the hidden-1024 node logged as a burst ended (cpu-three-peak, session 35):
+#: DP, 6 and 1 requests running on its two engines, both layouts past the policy's TPOT
+#: SLO (a goodput tie at 0), TP-2 predicted 2975 ms end to end against DP's 4029
+S35_COSTS = Costs.from_json({
+    "decode_ms": {"1": 32.9904, "2": 29.5211}, "stretch": {"1": 1.098},
+    "curves": {"1": {"decode": [[1.0, 32.9904], [2.0, 202.3714], [3.0, 95.7044],
+                                [4.0, 86.1916], [5.69, 124.9892], [10.59, 140.4597]],
+                     "prefill": [[6.17, 59.0716], [30.0, 194.4641], [51.67, 238.9387],
+                                 [101.28, 341.2569], [159.82, 514.8995], [322.0, 995.0053]]},
+               "2": {"decode": [[1.0, 29.5211], [2.0, 53.0346], [3.0, 62.5133],
+                                [4.0, 63.4352], [6.33, 80.6957], [12.21, 101.6667],
+                                [19.88, 117.9354]],
+                     "prefill": [[21.33, 92.3165], [53.0, 143.2666], [109.62, 189.7865],
+                                 [176.38, 291.3247], [316.75, 506.5719]]}}})
+S35_TRAFFIC = Traffic(now=82099.8, rate_short=0.6667, rate_long=1.5667, prompt=109.02,
+                      output=29.3, n_short=2, n_long=47, window_s=3.0)
+
+
+@pytest.mark.parametrize("running, want", [(7, "2xDP"), (6, "2xDP"), (2, "1xTP2"),
+                                           (0, "1xTP2")])
+def test_a_latency_switch_beside_running_dp_requests_must_repay_their_interleaving(
+        running, want):
+    """Until the running DP requests finish, each member steps them between the group's
+    steps: they stream one group step slower, and the group's first requests one DP step
+    slower. The node took TP-2 for latency at that moment and its group requests
+    streamed at 107-117 ms a token where the group alone ran 45-58: the latency it
+    predicts saved does not repay that with 6 or 7 running; with 2 or none it does."""
+    chooser = LayoutChooser(2, (2,), 10.0, 0.10, 16384)
+    got = chooser.choose(0.0, S35_COSTS, S35_TRAFFIC, running, 0, Slo(3264.5, 49.49),
+                         SwitchCosts(3.716, 68.2))
+    assert got.layout.name == want, got.reason
+    assert ("latency" if want == "1xTP2" else "gains less than its switch") in got.reason
