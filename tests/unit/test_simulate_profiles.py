@@ -13,6 +13,7 @@ from flying.node.costs_reader import merge
 from scheduler.costs import Costs
 from workloads.load.presets import build_preset
 from workloads.measure.records import save_records
+from workloads.reports.targets import quiet_slos
 from workloads.sim import gpu_profile
 from workloads.sim.cli import main as simulate_main
 from workloads.sim.profile import (
@@ -131,6 +132,11 @@ def test_validate_reproduces_runs_the_simulator_made_and_reports_errors(tmp_path
     rows = [line for line in report.splitlines() if line.startswith("| static") or
             line.startswith("| flying")]
     assert len(rows) == 12 and all(row.endswith("| +0.0% |") for row in rows), report
+    # goodput is scored at workloads.targets' SLOs (from static TP's quiet service), not
+    # at the benchmark defaults compare saved, which nothing here meets
+    ttft, tpot = quiet_slos(runs["static-tp"].records, "low")
+    assert f"goodput SLOs {{'ttft': {round(ttft, 1)}, 'tpot': {round(tpot, 1)}}}" in report
+    assert not any(row.endswith("| - |") for row in rows if "goodput" in row), report
     # the default frontend (this machine's 8 ms) adds to every simulated TTFT
     report = validate(tmp_path)
     row = next(line for line in report.splitlines() if line.startswith("| static-dp")

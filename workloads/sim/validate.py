@@ -8,7 +8,8 @@ run's decision log (``flying/decisions.jsonl``, or ``--decision-log``: pass
 ``--flying-args "--flying-decision-log RUN_DIR/flying/decisions.jsonl"`` to compare)
 or else from its saved ``flying/status.json``, simulates each system on that trace,
 and prints simulated and measured TTFT p50/p90, TPOT p50 and goodput with the
-simulation's relative error.
+simulation's relative error. Goodput is scored on both sides at ``workloads.targets``'
+SLOs (from static TP's quiet service in the run, ``scoring_slos``).
 
 Systems: ``static-dp`` (SGLang's DP, groups off) is simulated as ``static-dp`` without
 TP degrees; ``static-tp`` (SGLang's own ``--tp-size N``) as one Flying group of N
@@ -41,6 +42,7 @@ from workloads.load.slos import DEFAULT_SLOS
 from workloads.load.trace import TraceRequest
 from workloads.measure.metrics import Summary, flatten, summarize
 from workloads.measure.records import RequestRecord, load_records
+from workloads.reports.targets import quiet_slos
 from workloads.sim.profile import CPU_FRONTEND_MS, Profile, from_decision_log, from_status
 from workloads.sim.run import policy_settings, simulate
 
@@ -118,6 +120,22 @@ def _head(run_dir: Path, decision_log: str | None) -> dict | None:
     return None
 
 
+def scoring_slos(run_dir: Path, context: dict, quiet: str = "low") -> dict[str, float]:
+    """The goodput SLOs both sides are scored at: ``workloads.targets``' (4x static TP's
+    quiet TTFT p50, 1.5x its quiet TPOT p50, phase ``quiet`` where the trace has it),
+    the ones the run's targets were judged by; else the run's own ``goodput_slos_ms``.
+    (``workloads.compare`` saves SGLang's benchmark defaults there, which no request on
+    this machine meets: a 0 against a 0 validates nothing.)"""
+    records_file = run_dir / "static-tp" / "records.jsonl"
+    if records_file.is_file():
+        records = load_records(records_file)
+        phase = quiet if any(r.phase == quiet for r in records) else None
+        ttft, tpot = quiet_slos(records, phase)
+        if ttft > 0 and tpot > 0:
+            return {"ttft": round(ttft, 1), "tpot": round(tpot, 1)}
+    return dict(context.get("goodput_slos_ms") or DEFAULT_SLOS)
+
+
 def errors(simulated: Summary, measured: Summary) -> list[tuple[str, float | None, float | None, float | None]]:
     """(metric, simulated, measured, relative error of the simulation)."""
     out = []
@@ -134,7 +152,7 @@ def validate(run_dir: Path, decision_log: str | None = None, kv_heads: int = 0,
              stretch: str = "none") -> str:
     context_file = run_dir / "context.json"
     context = json.loads(context_file.read_text()) if context_file.is_file() else {}
-    slos = context.get("goodput_slos_ms") or dict(DEFAULT_SLOS)
+    slos = scoring_slos(run_dir, context)
     profile = replace(measured_profile(run_dir, decision_log, kv_heads),
                       frontend_ms=frontend_ms, overlap=overlap)
     engines = int((context.get("machine") or {}).get("engines (N)") or profile.max_engines)
