@@ -152,9 +152,9 @@ def interleave_ms(cur: Prediction, new: Prediction, running: int, rate: float,
     ``(D - u) / (cur.tpot + new.tpot)`` tokens of it one DP step slower, which averages
     ``output / 4 x cur.tpot`` over the ``rate x D`` arrivals. The predicted latency of
     the new layout is its service after the drain, so a latency gain must repay this:
-    on the hidden-1024 model, a TP-2 group formed for latency beside a member's 6
-    running DP requests streamed its own at 107-117 ms a token, where the group alone
-    ran 45-58 and DP 45-55 (cpu-three-peak, session 35)."""
+    on the hidden-1024 model, TP-2 groups formed for latency beside a member's 6 and 4
+    running DP requests streamed their own at a TPOT of 101-121 ms, where static DP
+    served the same requests at 43-62 (cpu-three-peak, session 35)."""
     if running <= 0:  # nothing to drain
         return 0.0
     drain_ms = output / 2 * (cur.tpot_ms + new.tpot_ms)

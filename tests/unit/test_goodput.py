@@ -711,7 +711,7 @@ def test_a_latency_switch_beside_running_dp_requests_must_repay_their_interleavi
     """Until the running DP requests finish, each member steps them between the group's
     steps: they stream one group step slower, and the group's first requests one DP step
     slower. The node took TP-2 for latency at that moment and its group requests
-    streamed at 107-117 ms a token where the group alone ran 45-58: the latency it
+    streamed at a TPOT of 101-121 ms where static DP served them at 43-62: the latency it
     predicts saved does not repay that with 6 or 7 running; with 2 or none it does."""
     chooser = LayoutChooser(2, (2,), 10.0, 0.10, 16384)
     got = chooser.choose(0.0, S35_COSTS, S35_TRAFFIC, running, 0, Slo(3264.5, 49.49),
