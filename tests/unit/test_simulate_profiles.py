@@ -197,3 +197,28 @@ def test_validate_at_the_logged_stretch_runs_the_steps_that_much_slower(tmp_path
     row = next(line for line in report.splitlines() if line.startswith("| static-dp")
                and "TPOT p50" in line)
     assert float(row.split("|")[6].strip().rstrip("%")) > 90.0, row
+
+
+def test_validate_takes_the_curves_the_engines_published_at_the_runs_end(tmp_path):
+    """The log's last decision knows the batches run before the last arrival; the status
+    document saved at the end knows every one. Validation simulates with the latter
+    (``--curves end``, the default) unless told to take the log's."""
+    profile = _small_kv()
+    _compare_dir(tmp_path, profile)
+    doc = profile.costs.to_json()
+    slower = {d: {kind: [[x, 2 * ms] for x, ms in pts] for kind, pts in c.items()}
+              for d, c in doc["curves"].items()}
+    engines = [{"rank": r, "mode": "dp", "degrees": [2], "total_kv_slots": profile.kv_tokens,
+                "decode_ms": {d: 2 * ms for d, ms in doc["decode_ms"].items()},
+                "curves": slower} for r in range(2)]
+    (tmp_path / "flying" / "status.json").write_text(json.dumps({"engines": engines}))
+
+    def tpot_error(report: str) -> float:
+        row = next(line for line in report.splitlines() if line.startswith("| static-dp")
+                   and "TPOT p50" in line)
+        return float(row.split("|")[6].strip().rstrip("%"))
+
+    assert tpot_error(validate(tmp_path, frontend_ms=0.0, curves="log")) == 0.0
+    report = validate(tmp_path, frontend_ms=0.0)
+    assert "curves from the run's end" in report.splitlines()[0]
+    assert tpot_error(report) > 50.0, report
