@@ -126,6 +126,11 @@ class FlyingCollector:
             "over the last 10 s than their best measured cost (1 = as on a quiet machine)",
             labels=["engine", "degree"],
         )
+        live = GaugeMetricFamily(
+            "flying_engine_live_decode_ms", "an engine's last single-request decode steps "
+            "in a mode while serving, mean (ms); the latency rule compares them",
+            labels=["engine", "degree"],
+        )
         counters = {
             key: CounterMetricFamily(f"flying_{key}", help_, labels=["engine"])
             for key, help_ in (
@@ -152,6 +157,8 @@ class FlyingCollector:
             degree.add_metric([rank], int(e.get("degree", 1)))
             for mode, x in sorted((e.get("stretch") or {}).items()):
                 stretch.add_metric([rank, str(mode)], float(x))
+            for mode, ms in sorted((e.get("live_ms") or {}).items()):
+                live.add_metric([rank, str(mode)], float(ms))
             for key, fam in counters.items():
                 fam.add_metric([rank], e.get(key, 0))
             for i, n in enumerate(e.get("switch_hist", [])):
@@ -164,6 +171,7 @@ class FlyingCollector:
                 )
         yield degree
         yield stretch
+        yield live
         yield from counters.values()
         hist = HistogramMetricFamily(
             "flying_switch_latency_seconds", "bind received -> first TP group step"

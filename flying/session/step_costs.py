@@ -36,8 +36,18 @@ The stretch is published beside the curves, not folded into them (``stretch``): 
 degree, the mean of the recent samples' ratio to their point's best, over the last
 ``STRETCH_S`` seconds. The curves say what a step costs on a quiet machine; the
 stretch says how much slower the mode's steps run now (``stretch``). The policy checks a
-goodput switch at both (``scheduler.costs.Costs.loaded``); the SLOs and the "is a group
-faster" test read the quiet curves alone.
+goodput switch at both (``scheduler.costs.Costs.loaded``); the SLOs read the quiet
+curves alone.
+
+The best point of a mode is how fast it can step; ``live_ms`` is how fast it did step
+while serving: per degree, the mean of its last ``LIVE_WINDOW`` single-request decode
+steps, kept however long ago they ran (the stretch forgets a mode 10 s after it stops).
+The "is a group faster" test reads both (``scheduler.costs.Costs.gain``): on this
+project's 2-core machine the start-up calibration put a TP-2 step of the hidden-1024
+model 0-18 % faster than one engine's, while serving SGLang's TP-2 streamed the quiet
+phases 1.2-1.4x slower than DP (a group needs both cores in lockstep beside the HTTP,
+tokenizer and detokenizer processes, which the calibration runs before), and the node
+formed the slower group for latency at every lull.
 """
 
 from __future__ import annotations
@@ -62,6 +72,9 @@ STRETCH_WINDOW = 64
 #: One step counts at most this many times its point's cost in the stretch (a stall of
 #: seconds is not the mode's cadence).
 MAX_STRETCH = 10.0
+#: Single-request decode steps kept per degree for ``live_ms`` (no time limit: the
+#: memory of the last time a mode served, for as long as it does not serve again).
+LIVE_WINDOW = 32
 
 DECODE, PREFILL = "decode", "prefill"
 #: (degree, kind, bucket): one curve point.
@@ -89,6 +102,8 @@ class StepClock:
         self._open: tuple[Sample, float] | None = None  # (sample, started) of a step
         #: per degree: (when, sample ms / its point's best ms) of the latest samples
         self._ratios: dict[int, deque[tuple[float, float]]] = {}
+        #: per degree: the latest single-request decode steps (ms), for ``live_ms``
+        self._live: dict[int, deque[float]] = {}
 
     def boundary(self) -> float:
         """A step boundary starts: close the step in progress (if it was a sample) at
@@ -116,6 +131,7 @@ class StepClock:
         window.append((float(work), ms))
         if kind == DECODE and work == 1:
             self._samples[degree] = self._samples.get(degree, 0) + 1
+            self._live.setdefault(degree, deque(maxlen=LIVE_WINDOW)).append(ms)
         if len(window) >= MIN_SAMPLES:
             point = _point(window)
             if point[1] < self._best.get(key, (0.0, math.inf))[1]:
@@ -156,6 +172,19 @@ class StepClock:
             recent = [min(MAX_STRETCH, r) for t, r in ratios if now - t <= STRETCH_S]
             if len(recent) >= MIN_SAMPLES:
                 out[degree] = round(max(1.0, sum(recent) / len(recent)), 3)
+        return out
+
+    def live_ms(self) -> dict[int, float]:
+        """Per degree with ``MIN_SAMPLES`` single-request decode steps: the mean of its
+        last ``LIVE_WINDOW`` (each at most ``MAX_STRETCH`` times its best), however long
+        ago. The mean, as for the stretch: a request's TPOT is the mean of its steps.
+        Until a mode serves, its calibration's steps."""
+        best = self.decode_ms()
+        out = {}
+        for degree, steps in sorted(self._live.items()):
+            if len(steps) >= MIN_SAMPLES and degree in best:
+                cap = MAX_STRETCH * best[degree]
+                out[degree] = round(sum(min(cap, ms) for ms in steps) / len(steps), 4)
         return out
 
     def samples(self) -> dict[int, int]:

@@ -16,7 +16,8 @@ def test_collector_renders_modes_counters_histogram_and_requests():
     hist[metrics.bucket_index(30.0)] += 2  # <= 50 ms
     doc = {"engines": [
         {"rank": 0, "mode": "tp2", "degree": 2, "binds": 3, "releases": 2, "tp_requests": 5,
-         "switch_hist": hist, "switch_ms_sum": 60.4, "stretch": {"2": 1.4}},
+         "switch_hist": hist, "switch_ms_sum": 60.4, "stretch": {"2": 1.4},
+         "live_ms": {"1": 38.5, "2": 52.0}},
         {"rank": 1, "mode": "dp", "binds": 3, "releases": 3},
     ]}
     metrics.count_finished("tp", 1)
@@ -29,6 +30,7 @@ def test_collector_renders_modes_counters_histogram_and_requests():
     assert 'flying_engine_tp_degree{engine="1"} 1.0' in text
     assert 'flying_engine_step_stretch{degree="2",engine="0"} 1.4' in text
     assert 'flying_engine_step_stretch{degree="1",engine="1"}' not in text  # not run lately
+    assert 'flying_engine_live_decode_ms{degree="2",engine="0"} 52.0' in text
     assert 'flying_binds_total{engine="1"} 3.0' in text
     assert 'flying_tp_requests_total{engine="0"} 5.0' in text
     assert 'flying_switch_latency_seconds_bucket{le="0.001"} 1.0' in text
