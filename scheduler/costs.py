@@ -106,8 +106,10 @@ class Costs:
     #: (``flying.session.step_costs``; absent: not known, taken as 1)
     stretch: dict[int, float] = field(default_factory=dict)
     #: per degree: its last single-request decode steps while serving, however long
-    #: ago (``flying.session.step_costs``; absent: not known)
+    #: ago, and the lowest their mean has been (``flying.session.step_costs``; absent:
+    #: not known)
     live_ms: dict[int, float] = field(default_factory=dict)
+    live_low_ms: dict[int, float] = field(default_factory=dict)
 
     # -- the latency test -----------------------------------------------------------
 
@@ -115,25 +117,27 @@ class Costs:
         """How much faster a TP-``degree`` step is than one engine's (0.2 = 20 %
         faster, negative = slower); None if either is unmeasured.
 
-        The lower of the two comparisons: the modes' best steps (``decode_ms``, how fast
-        each can step) and, where both have served, their live steps (``live_ms``, how
-        fast each did step). The live one can only take a gain away: a group that
+        The lower of two comparisons: the modes' best steps (``decode_ms``, how fast
+        each can step), and the group's latest live steps (``live_ms``, how fast it did
+        step while serving) against one engine's lowest live mean (``live_low_ms``, its
+        cadence at its quietest). The live one can only take a gain away: a group that
         streamed slower than its calibration promised is not formed for latency again
-        (on this project's 2-core machine a TP-2 group of the hidden-1024 model
-        calibrated 18 % faster than one engine streamed 1.2-1.4x slower while serving);
-        DP steps stretched by a burst never make a group look faster than calibrated."""
+        (hidden-1024 model, session 36: TP-2 calibrated 26 % faster than one engine,
+        41.3 ms while serving against DP's 43.4); and DP's live steps are read at their
+        quietest, since a burst's stretched DP steps (there 59 ms as the next burst
+        began) say nothing of the light load a latency group serves."""
         dp, tp = self.decode_ms.get(1), self.decode_ms.get(degree)
         if not dp or not tp:
             return None
         best = 1.0 - tp / dp
-        live_dp, live_tp = self.live_ms.get(1), self.live_ms.get(degree)
+        live_dp, live_tp = self.live_low_ms.get(1), self.live_ms.get(degree)
         return min(best, 1.0 - live_tp / live_dp) if live_dp and live_tp else best
 
     def describe(self, degree: int) -> str:
         text = (f"TP-{degree} decode step {self.decode_ms.get(degree, 0):.2f} ms vs "
                 f"{self.decode_ms.get(1, 0):.2f} ms on one engine")
-        if self.live_ms.get(1) and self.live_ms.get(degree):
-            text += (f", {self.live_ms[degree]:.2f} vs {self.live_ms[1]:.2f} ms "
+        if self.live_low_ms.get(1) and self.live_ms.get(degree):
+            text += (f", {self.live_ms[degree]:.2f} vs {self.live_low_ms[1]:.2f} ms "
                      "while serving")
         return text
 
@@ -227,8 +231,9 @@ class Costs:
         doc: dict = {"decode_ms": {str(d): ms for d, ms in sorted(self.decode_ms.items())}}
         if self.stretch:
             doc["stretch"] = {str(d): x for d, x in sorted(self.stretch.items())}
-        if self.live_ms:
-            doc["live_ms"] = {str(d): ms for d, ms in sorted(self.live_ms.items())}
+        for name, values in (("live_ms", self.live_ms), ("live_low_ms", self.live_low_ms)):
+            if values:
+                doc[name] = {str(d): ms for d, ms in sorted(values.items())}
         if self.curves:
             doc["curves"] = {
                 str(d): {"decode": [list(p) for p in c.decode],
@@ -247,7 +252,8 @@ class Costs:
         }
         return Costs({int(k): float(v) for k, v in doc.get("decode_ms", {}).items()}, curves,
                      {int(k): float(v) for k, v in (doc.get("stretch") or {}).items()},
-                     {int(k): float(v) for k, v in (doc.get("live_ms") or {}).items()})
+                     *({int(k): float(v) for k, v in (doc.get(name) or {}).items()}
+                       for name in ("live_ms", "live_low_ms")))
 
 
 @functools.lru_cache(maxsize=64)
@@ -262,4 +268,4 @@ def _scaled(costs: Costs) -> Costs:
                        _scaled_points(c.prefill, costs.factor(d)))
               for d, c in costs.curves.items()}
     return Costs({d: ms * costs.factor(d) for d, ms in costs.decode_ms.items()}, curves,
-                 live_ms=costs.live_ms)
+                 live_ms=costs.live_ms, live_low_ms=costs.live_low_ms)

@@ -93,18 +93,21 @@ def _mean(values: list[float]) -> float:
 
 def merge(engines: list[dict]) -> Costs | None:
     """Per degree, the mean of the engines' measured decode step (ms), of their
-    stretch (over the engines that ran the mode lately) and of their live decode step,
-    and per curve point (degree, kind, bucket) the mean of the engines' points; None if
-    none."""
+    stretch (over the engines that ran the mode lately) and of their live decode steps
+    (now and lowest), and per curve point (degree, kind, bucket) the mean of the
+    engines' points; None if none."""
     per: dict[int, list[float]] = {}
     points: dict[tuple[int, str, int], list[tuple[float, float]]] = {}
     stretch: dict[int, list[float]] = {}
     live: dict[int, list[float]] = {}
+    low: dict[int, list[float]] = {}
     for doc in engines:
         for degree, x in (doc.get("stretch") or {}).items():
             stretch.setdefault(int(degree), []).append(float(x))
         for degree, ms in (doc.get("live_ms") or {}).items():
             live.setdefault(int(degree), []).append(float(ms))
+        for degree, ms in (doc.get("live_low_ms") or {}).items():
+            low.setdefault(int(degree), []).append(float(ms))
         for degree, ms in (doc.get("decode_ms") or {}).items():
             per.setdefault(int(degree), []).append(float(ms))
         for degree, curve in (doc.get("curves") or {}).items():
@@ -124,6 +127,7 @@ def merge(engines: list[dict]) -> Costs | None:
         {d: Curve.of(c["decode"], c["prefill"]) for d, c in curves.items()},
         {d: round(_mean(v), 3) for d, v in sorted(stretch.items())},
         {d: round(_mean(v), 4) for d, v in sorted(live.items())},
+        {d: round(_mean(v), 4) for d, v in sorted(low.items())},
     )
 
 

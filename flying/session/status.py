@@ -52,6 +52,7 @@ def document(dp_rank: int, engine, scheduler=None) -> str:
         "curves": engine.clock.curves(),  # measured decode / prefill points, per degree
         "stretch": engine.clock.stretch(),  # how much slower each mode's steps run now
         "live_ms": engine.clock.live_ms(),  # its recent single-request decode steps, per degree
+        "live_low_ms": engine.clock.live_low_ms(),  # the lowest live_ms has been
         # a shallow copy: serialized at once, on the thread that changes the counters
         # (``asdict`` deep-copies every field: 4 % of a busy engine's samples at 16
         # clients, ``workloads.bench_hooks``)

@@ -41,13 +41,16 @@ curves alone.
 
 The best point of a mode is how fast it can step; ``live_ms`` is how fast it did step
 while serving: per degree, the mean of its last ``LIVE_WINDOW`` single-request decode
-steps, kept however long ago they ran (the stretch forgets a mode 10 s after it stops).
-The "is a group faster" test reads both (``scheduler.costs.Costs.gain``): on this
-project's 2-core machine the start-up calibration put a TP-2 step of the hidden-1024
-model 0-18 % faster than one engine's, while serving SGLang's TP-2 streamed the quiet
-phases 1.2-1.4x slower than DP (a group needs both cores in lockstep beside the HTTP,
-tokenizer and detokenizer processes, which the calibration runs before), and the node
-formed the slower group for latency at every lull.
+steps, kept however long ago they ran (the stretch forgets a mode 10 s after it stops),
+and ``live_low_ms`` the lowest that mean has been (the mode's cadence at its quietest,
+the calibration's included). The "is a group faster" test reads them beside the best
+points (``scheduler.costs.Costs.gain``): on this project's 2-core machine the start-up
+calibration put a TP-2 step of the hidden-1024 model 7-26 % faster than one engine's,
+while serving, its single-request steps ran 1.44x its best point (41.3 ms against DP's
+43.4: no faster), and SGLang's own TP-2 streamed the quiet phases 1.2-1.4x slower than
+DP (a group needs both cores in lockstep beside the HTTP, tokenizer and detokenizer
+processes, which the calibration runs before): the node formed the slower group for
+latency at every lull.
 """
 
 from __future__ import annotations
@@ -102,8 +105,11 @@ class StepClock:
         self._open: tuple[Sample, float] | None = None  # (sample, started) of a step
         #: per degree: (when, sample ms / its point's best ms) of the latest samples
         self._ratios: dict[int, deque[tuple[float, float]]] = {}
-        #: per degree: the latest single-request decode steps (ms), for ``live_ms``
+        #: per degree: the latest single-request decode steps (ms), their mean now and
+        #: the lowest it has been
         self._live: dict[int, deque[float]] = {}
+        self._live_now: dict[int, float] = {}
+        self._live_low: dict[int, float] = {}
 
     def boundary(self) -> float:
         """A step boundary starts: close the step in progress (if it was a sample) at
@@ -131,11 +137,23 @@ class StepClock:
         window.append((float(work), ms))
         if kind == DECODE and work == 1:
             self._samples[degree] = self._samples.get(degree, 0) + 1
-            self._live.setdefault(degree, deque(maxlen=LIVE_WINDOW)).append(ms)
         if len(window) >= MIN_SAMPLES:
             point = _point(window)
             if point[1] < self._best.get(key, (0.0, math.inf))[1]:
                 self._best[key] = point
+        if kind == DECODE and work == 1:
+            self._live_step(degree, ms, self._best.get(key, _point(window))[1])
+
+    def _live_step(self, degree: int, ms: float, best: float) -> None:
+        """A single-request decode step of ``ms``: the mode's live mean (each step at
+        most ``MAX_STRETCH`` x its ``best``), from ``MIN_SAMPLES`` steps on."""
+        steps = self._live.setdefault(degree, deque(maxlen=LIVE_WINDOW))
+        steps.append(ms)
+        if len(steps) >= MIN_SAMPLES:
+            cap = MAX_STRETCH * best
+            mean = round(sum(min(cap, x) for x in steps) / len(steps), 4)
+            self._live_now[degree] = mean
+            self._live_low[degree] = min(mean, self._live_low.get(degree, math.inf))
 
     def _points(self) -> dict[Key, tuple[float, float]]:
         return {key: self._best.get(key, _point(w)) for key, w in sorted(self._ms.items())}
@@ -176,16 +194,15 @@ class StepClock:
 
     def live_ms(self) -> dict[int, float]:
         """Per degree with ``MIN_SAMPLES`` single-request decode steps: the mean of its
-        last ``LIVE_WINDOW`` (each at most ``MAX_STRETCH`` times its best), however long
-        ago. The mean, as for the stretch: a request's TPOT is the mean of its steps.
-        Until a mode serves, its calibration's steps."""
-        best = self.decode_ms()
-        out = {}
-        for degree, steps in sorted(self._live.items()):
-            if len(steps) >= MIN_SAMPLES and degree in best:
-                cap = MAX_STRETCH * best[degree]
-                out[degree] = round(sum(min(cap, ms) for ms in steps) / len(steps), 4)
-        return out
+        last ``LIVE_WINDOW`` (each at most ``MAX_STRETCH`` times its best then), however
+        long ago. The mean, as for the stretch: a request's TPOT is the mean of its
+        steps. Until a mode serves, its calibration's steps."""
+        return dict(sorted(self._live_now.items()))
+
+    def live_low_ms(self) -> dict[int, float]:
+        """Per degree: the lowest ``live_ms`` has been (a burst's stretched steps raise
+        the mean now, not this)."""
+        return dict(sorted(self._live_low.items()))
 
     def samples(self) -> dict[int, int]:
         return dict(sorted(self._samples.items()))
