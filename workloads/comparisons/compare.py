@@ -40,7 +40,7 @@ from workloads.load.slos import DEFAULT_SLOS
 from workloads.load.trace import TraceRequest
 from workloads.measure.client import run_trace
 from workloads.measure.metrics import summarize
-from workloads.measure.server import STARTUP_TIMEOUT_S, ServerFailed, free_port, start_server
+from workloads.measure.server import STARTUP_TIMEOUT_S, ServerFailed, start_server
 from workloads.reports.report import (
     RUN_NAMES,
     RunResult,
@@ -113,14 +113,17 @@ def run_one(
     args: Sequence[str],
     trace: Sequence[TraceRequest],
     run_dir: Path,
-    port: int,
+    port: int | None,
     seed: int,
     timeout_s: float,
     retries: int = 2,
     startup_timeout_s: float = STARTUP_TIMEOUT_S,
     slos: dict[str, float] | None = None,
 ) -> RunResult:
-    """Start the server, replay the trace, stop the server; failures end up in the result."""
+    """Start the server, replay the trace, stop the server; failures end up in the result.
+
+    ``port`` None: a free one, and another where it was taken before the server bound it
+    (``start_server``'s retry; a port picked here could not be retried)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     result = RunResult(
         name=name,
@@ -265,8 +268,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     results: list[RunResult] = []
     for name in args.runs:
         launch = run_args(name, model_path, args.engines, server_args, flying_args)
-        port = args.port or free_port()
-        results.append(run_one(name, launch, trace, out / name, port, args.seed, args.timeout,
+        results.append(run_one(name, launch, trace, out / name, args.port, args.seed,
+                               args.timeout,
                                startup_timeout_s=args.startup_timeout,
                                slos=context["goodput_slos_ms"]))
     path = rebuild_report(out)  # includes runs saved earlier into the same directory
