@@ -191,3 +191,53 @@ def test_goodput_counts_requests_within_both_slos_per_second():
     assert goodput(records, 50.0, 25.0) == 0.0  # TTFT over its SLO
     assert goodput(records, 150.0, 10.0) == 0.0  # TPOT over its SLO
     assert quiet_slos(records, "low") == pytest.approx((400.0, 30.0))
+
+
+def test_rounds_are_reported_per_round_with_their_median(tmp_path, capsys):
+    """``workloads.compare --rounds N`` writes round1..N, each a whole comparison;
+    ``workloads.targets`` then gives Flying's ratio per round, the median and how many
+    rounds meet each goal."""
+    from workloads.measure.records import save_records
+    from workloads.reports.targets import main, round_dirs
+
+    for i, flying in enumerate((0.8, 1.3, 0.9), start=1):  # Flying's latency scale per round
+        for name, scale in (("static-dp", 1.0), ("static-tp", 1.0), ("flying", flying)):
+            (tmp_path / f"round{i}" / name).mkdir(parents=True)
+            save_records(_records(scale), tmp_path / f"round{i}" / name / "records.jsonl")
+    (tmp_path / "roundx").mkdir()  # not a round
+    assert [d.name for d in round_dirs(tmp_path)] == ["round1", "round2", "round3"]
+    main([str(tmp_path)])
+    out = capsys.readouterr().out
+    ttft = next(line for line in out.splitlines() if line.startswith("| TTFT p90"))
+    assert "| 0.80 | 1.30 | 0.90 | 0.90 | <= 1.1x static DP | yes | 2 of 3 |" in ttft, ttft
+    assert "round3: Flying engines" in out
+
+
+def test_rounds_flag_checks_and_decision_logs():
+    assert parse_args([]).rounds == 1
+    with pytest.raises(SystemExit):
+        parse_args(["--rounds", "0"])
+    with pytest.raises(SystemExit):  # each round writes its own log
+        parse_args(["--rounds", "2", "--flying-args", "--flying-decision-log /tmp/d.jsonl"])
+    assert parse_args(["--rounds", "2", "--flying-args", "--flying-tp-gain 0.2"]).rounds == 2
+
+
+def test_rounds_rotate_the_systems_and_give_each_flying_run_its_log(tmp_path, monkeypatch):
+    from workloads.comparisons import compare
+
+    started = []
+
+    def fake_run_one(name, launch, trace, run_dir, *args, **kwargs):
+        started.append((run_dir.parent.name, name, launch))
+        return RunResult(name=name, command=launch, error="not started")
+
+    monkeypatch.setattr(compare, "run_one", fake_run_one)
+    monkeypatch.setattr(compare, "rebuild_report", lambda out: out / "report.md")
+    compare.main(["--model-path", "/m", "--limit", "3", "--rounds", "2",
+                  "--runs", "static-dp,flying", "--out", str(tmp_path)])
+    assert [(d, n) for d, n, _ in started] == [
+        ("round1", "static-dp"), ("round1", "flying"), ("round2", "flying"),
+        ("round2", "static-dp")]
+    for d, name, launch in started:
+        log = str(tmp_path / d / "flying" / "decisions.jsonl")
+        assert (log in launch) == (name == "flying"), launch

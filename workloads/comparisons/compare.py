@@ -17,7 +17,9 @@ CLI::
     python -m workloads.compare --preset cpu-small [--runs static-dp,flying] [--limit 20] \\
         [--arrival gamma --rate 2 --burstiness 0.5] [--goodput ttft:100 tpot:20] \\
         [--model-path DIR] [--engines 2] [--flying-args "..."] [--server-args "..."] [--out DIR]
-        (every run gets --enable-metrics so responses carry server queue times)
+        [--rounds N]
+        (every run gets --enable-metrics so responses carry server queue times, and the
+        Flying run a decision log, OUT/flying/decisions.jsonl, unless --flying-args names one)
     python -m workloads.compare --report-only DIR   # rebuild report.md from saved runs
 """
 
@@ -54,6 +56,9 @@ from workloads.reports.report import (
 #: SGLang puts ``queue_time`` into a response's meta_info only with metrics enabled; every run
 #: gets it, so the (small) cost of collecting metrics is the same for all systems.
 METRICS_FLAG = "--enable-metrics"
+#: The flag of Flying's decision log; compare gives every Flying run one in its own
+#: directory (``workloads.sim.validate`` and ``scheduler.replay`` read it there).
+DECISION_LOG_FLAG = "--flying-decision-log"
 
 
 def log(message: str) -> None:
@@ -188,6 +193,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=1800.0, help="replay limit per run, s")
     parser.add_argument("--startup-timeout", type=float, default=STARTUP_TIMEOUT_S,
                         help="seconds to wait for each server")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every system this many times, into OUT/round1..N, the "
+                        "order rotated each round (default 1: OUT itself)")
     parser.add_argument("--title", help="report title")
     parser.add_argument("--report-only", metavar="DIR",
                         help="rebuild DIR/report.md from the runs saved in DIR; start nothing")
@@ -199,6 +207,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.runs = [r for r in RUN_NAMES if r in runs]
     if args.engines < 1:
         parser.error("--engines must be >= 1")
+    if args.rounds < 1:
+        parser.error("--rounds must be >= 1")
+    if args.rounds > 1 and DECISION_LOG_FLAG in shlex.split(args.flying_args):
+        parser.error(f"--rounds: each round's Flying run logs its decisions to "
+                     f"OUT/roundK/flying/decisions.jsonl; drop {DECISION_LOG_FLAG} from "
+                     "--flying-args")
     return args
 
 
@@ -231,7 +245,10 @@ def rebuild_report(out: Path) -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Run every requested system on the trace and write the report."""
+    """Run every requested system on the trace and write the report; with ``--rounds N``
+    N times over, into ``OUT/round1`` .. ``OUT/roundN``, the systems' order rotated each
+    round (one server per system and round: ``workloads.targets OUT`` then reports
+    every round's ratios and their median, so a ratio is not one server's luck)."""
     args = parse_args(argv)
     if args.report_only:
         path = rebuild_report(Path(args.report_only))
@@ -246,10 +263,23 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         model_path = str(ensure_demo_model())
     out = Path(args.out or f"results/compare-{datetime.now():%Y%m%d-%H%M%S}")
-    out.mkdir(parents=True, exist_ok=True)
     trace, trace_facts = build_trace(args)
     if not trace:
         raise SystemExit("error: the trace is empty")
+    if args.rounds == 1:
+        _round(args, out, args.runs, command, model_path, trace, trace_facts)
+        return
+    for r in range(args.rounds):
+        runs = args.runs[r % len(args.runs):] + args.runs[:r % len(args.runs)]
+        log(f"round {r + 1} of {args.rounds}")
+        _round(args, out / f"round{r + 1}", runs, command, model_path, trace, trace_facts)
+    log(f"rounds: {out}; their targets: python -m workloads.targets {out}")
+
+
+def _round(args: argparse.Namespace, out: Path, runs: list[str], command: str,
+           model_path: str, trace: list[TraceRequest], trace_facts: dict[str, Any]) -> None:
+    """One comparison: every system in ``runs`` on the trace, then the report in ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
     context = {
         "title": args.title or "Static DP vs static TP vs Flying",
         "commands": [command],
@@ -260,13 +290,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     }
     context = merge_context(out / "context.json", context)
     (out / "context.json").write_text(json.dumps(context, indent=2) + "\n")
-    log(f"{len(trace)} requests over {trace_facts.get('span_s')} s; runs: {', '.join(args.runs)};"
+    log(f"{len(trace)} requests over {trace_facts.get('span_s')} s; runs: {', '.join(runs)};"
         f" output in {out}")
     server_args, flying_args = shlex.split(args.server_args), shlex.split(args.flying_args)
     if not args.no_queue_metrics and METRICS_FLAG not in server_args:
         server_args.append(METRICS_FLAG)
+    if DECISION_LOG_FLAG not in flying_args:
+        flying_args += [DECISION_LOG_FLAG, str(out / "flying" / "decisions.jsonl")]
     results: list[RunResult] = []
-    for name in args.runs:
+    for name in runs:
         launch = run_args(name, model_path, args.engines, server_args, flying_args)
         results.append(run_one(name, launch, trace, out / name, args.port, args.seed,
                                args.timeout,

@@ -18,6 +18,12 @@ after another on the same machine) and prints, for Flying against the static lay
 
     python -m workloads.targets results/compare-cpu-burst [--burst burst --quiet low] \\
         [--plot modes.png]
+
+For a directory of rounds (``workloads.compare --rounds N``: ``round1`` .. ``roundN``, each
+a whole comparison with its own servers) it prints Flying's ratio per target in every
+round, their median, and whether the median and how many rounds meet the goal: on a
+small shared machine two servers of one layout differ by 10-30 % from one start to the
+next, so one round's ratio says as much about the servers as about the policy.
 """
 
 from __future__ import annotations
@@ -138,16 +144,61 @@ def render(rows_: list[tuple]) -> str:
     ]
     for name, dp, tp, fl, ratio, goal, met in rows_:
         sign = ">=" if "throughput" in name or "goodput" in name else "<="
-        against = "best static" if "phase=" in name and ("p50" in name) else "static DP"
-        if "goodput" in name or "better static" in name:
-            against = "better static"
+        against = _against(name)
         if name.startswith("priority"):
-            sign, against = "<", "both static"
+            sign = "<"
         lines.append(
             f"| {name} | {_fmt(dp)} | {_fmt(tp)} | {_fmt(fl)} | {_fmt(ratio, 2)} | "
             f"{sign} {goal:g}x {against} | {'-' if met is None else ('yes' if met else 'no')} |"
         )
     return "\n".join(lines)
+
+
+def round_dirs(out: Path) -> list[Path]:
+    """``out``'s round directories (``workloads.compare --rounds``) in order; [] for a
+    single comparison."""
+    rounds = [p for p in out.glob("round*") if p.is_dir() and p.name[5:].isdigit()]
+    return sorted(rounds, key=lambda p: int(p.name[5:]))
+
+
+def render_rounds(per_round: list[list[tuple]]) -> str:
+    """Flying's ratio per target in each round (``rows``), the median, and whether the
+    median and each round meet the goal. Targets are matched by name up to their
+    parenthesis (the goodput SLOs are each round's own)."""
+    names: dict[str, tuple[float, bool, str]] = {}  # key -> (goal, at least?, against)
+    ratios: dict[str, list[float | None]] = {}
+    for i, rows_ in enumerate(per_round):
+        for name, _dp, _tp, _fl, ratio, goal, _met in rows_:
+            key = name.split(" (")[0]
+            names.setdefault(key, (goal, "throughput" in name or "goodput" in name,
+                                   _against(name)))
+            ratios.setdefault(key, [None] * len(per_round))[i] = ratio
+    n = len(per_round)
+    lines = ["| target | " + " | ".join(f"round {i + 1}" for i in range(n))
+             + " | median | goal | median met | rounds met |",
+             "|---|" + "---:|" * (n + 1) + "---|---|---|"]
+    for key, (goal, at_least, against) in names.items():
+        values = ratios[key]
+        known = [v for v in values if v is not None]
+        median = float(np.median(known)) if known else None
+
+        def met(v: float | None, goal: float = goal, at_least: bool = at_least) -> bool:
+            return v is not None and (v >= goal if at_least else v <= goal)
+
+        lines.append(
+            f"| {key} | " + " | ".join(_fmt(v, 2) for v in values)
+            + f" | {_fmt(median, 2)} | {'>=' if at_least else '<='} {goal:g}x {against} | "
+            f"{'-' if median is None else ('yes' if met(median) else 'no')} | "
+            f"{sum(met(v) for v in values)} of {n} |")
+    return "\n".join(lines)
+
+
+def _against(name: str) -> str:
+    if "goodput" in name or "better static" in name:
+        return "better static"
+    if name.startswith("priority"):
+        return "both static"
+    return "best static" if "phase=" in name and "p50" in name else "static DP"
 
 
 def flying_counters(out: Path) -> str:
@@ -201,17 +252,32 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--slo-tpot", type=float, help="goodput TPOT SLO in ms (default: 1.5x "
                     "static TP's quiet TPOT p50)")
     args = ap.parse_args(argv)
-    records = {r: load_records(args.out / r / "records.jsonl") for r in RUNS}
+    rounds = [] if (args.out / "flying").is_dir() else round_dirs(args.out)
+    if rounds:
+        per_round = [rows(*_inputs(d, args)) for d in rounds]
+        print(render_rounds(per_round))
+        for d in rounds:
+            counters = flying_counters(d)
+            print(f"\n{d.name}: Flying engines (summed over engines): {counters or '-'}")
+        return
+    records, burst, quiet, slos = _inputs(args.out, args)
     if args.plot:
         plot_modes(records["flying"], args.plot)
+    print(render(rows(records, burst, quiet, slos)))
+    counters = flying_counters(args.out)
+    if counters:
+        print(f"\nFlying engines (summed over engines): {counters}")
+
+
+def _inputs(out: Path, args: argparse.Namespace
+            ) -> tuple[dict[str, list[RequestRecord]], str, str, tuple[float, float] | None]:
+    """(records per system, burst phase, quiet phase, SLOs) of one comparison."""
+    records = {r: load_records(out / r / "records.jsonl") for r in RUNS}
     slos = None
     if args.slo_ttft or args.slo_tpot:
         derived = quiet_slos(records["static-tp"], args.quiet)
         slos = (args.slo_ttft or derived[0], args.slo_tpot or derived[1])
-    print(render(rows(records, args.burst, args.quiet, slos)))
-    counters = flying_counters(args.out)
-    if counters:
-        print(f"\nFlying engines (summed over engines): {counters}")
+    return records, args.burst, args.quiet, slos
 
 
 if __name__ == "__main__":
