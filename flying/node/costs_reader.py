@@ -96,38 +96,32 @@ def merge(engines: list[dict]) -> Costs | None:
     stretch (over the engines that ran the mode lately) and of their live decode steps
     (now and lowest), and per curve point (degree, kind, bucket) the mean of the
     engines' points; None if none."""
-    per: dict[int, list[float]] = {}
     points: dict[tuple[int, str, int], list[tuple[float, float]]] = {}
-    stretch: dict[int, list[float]] = {}
-    live: dict[int, list[float]] = {}
-    low: dict[int, list[float]] = {}
+    # per field: per degree, the engines' values (their mean is the node's)
+    per: dict[str, dict[int, list[float]]] = {
+        key: {} for key in ("decode_ms", "stretch", "live_ms", "live_low_ms")}
     for doc in engines:
-        for degree, x in (doc.get("stretch") or {}).items():
-            stretch.setdefault(int(degree), []).append(float(x))
-        for degree, ms in (doc.get("live_ms") or {}).items():
-            live.setdefault(int(degree), []).append(float(ms))
-        for degree, ms in (doc.get("live_low_ms") or {}).items():
-            low.setdefault(int(degree), []).append(float(ms))
-        for degree, ms in (doc.get("decode_ms") or {}).items():
-            per.setdefault(int(degree), []).append(float(ms))
+        for name, values in per.items():
+            for degree, x in (doc.get(name) or {}).items():
+                values.setdefault(int(degree), []).append(float(x))
         for degree, curve in (doc.get("curves") or {}).items():
             for kind in ("decode", "prefill"):
                 for work, ms in curve.get(kind, ()):
                     key = (int(degree), kind, bucket(kind, round(work)))
                     points.setdefault(key, []).append((float(work), float(ms)))
-    if not per:
+    if not per["decode_ms"]:
         return None
     curves: dict[int, dict[str, list]] = {}
     for (degree, kind, _), pts in sorted(points.items()):
         work, ms = _mean([w for w, _ in pts]), _mean([m for _, m in pts])
         curves.setdefault(degree, {"decode": [], "prefill": []})[kind].append(
             (round(work, 2), round(ms, 4)))
+    means = {name: {d: round(_mean(v), 3 if name == "stretch" else 4)
+                    for d, v in sorted(values.items())} for name, values in per.items()}
     return Costs(
-        {d: round(_mean(v), 4) for d, v in sorted(per.items())},
+        means["decode_ms"],
         {d: Curve.of(c["decode"], c["prefill"]) for d, c in curves.items()},
-        {d: round(_mean(v), 3) for d, v in sorted(stretch.items())},
-        {d: round(_mean(v), 4) for d, v in sorted(live.items())},
-        {d: round(_mean(v), 4) for d, v in sorted(low.items())},
+        means["stretch"], means["live_ms"], means["live_low_ms"],
     )
 
 
