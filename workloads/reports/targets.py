@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import operator
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -143,10 +144,7 @@ def render(rows_: list[tuple]) -> str:
         "|---|---:|---:|---:|---:|---|---|",
     ]
     for name, dp, tp, fl, ratio, goal, met in rows_:
-        sign = ">=" if "throughput" in name or "goodput" in name else "<="
-        against = _against(name)
-        if name.startswith("priority"):
-            sign = "<"
+        sign, against = _goal(name)
         lines.append(
             f"| {name} | {_fmt(dp)} | {_fmt(tp)} | {_fmt(fl)} | {_fmt(ratio, 2)} | "
             f"{sign} {goal:g}x {against} | {'-' if met is None else ('yes' if met else 'no')} |"
@@ -165,40 +163,46 @@ def render_rounds(per_round: list[list[tuple]]) -> str:
     """Flying's ratio per target in each round (``rows``), the median, and whether the
     median and each round meet the goal. Targets are matched by name up to their
     parenthesis (the goodput SLOs are each round's own)."""
-    names: dict[str, tuple[float, bool, str]] = {}  # key -> (goal, at least?, against)
+    goals: dict[str, tuple[float, str, str]] = {}  # key -> (goal, sign, against)
     ratios: dict[str, list[float | None]] = {}
     for i, rows_ in enumerate(per_round):
         for name, _dp, _tp, _fl, ratio, goal, _met in rows_:
             key = name.split(" (")[0]
-            names.setdefault(key, (goal, "throughput" in name or "goodput" in name,
-                                   _against(name)))
+            goals.setdefault(key, (goal, *_goal(name)))
             ratios.setdefault(key, [None] * len(per_round))[i] = ratio
     n = len(per_round)
     lines = ["| target | " + " | ".join(f"round {i + 1}" for i in range(n))
              + " | median | goal | median met | rounds met |",
              "|---|" + "---:|" * (n + 1) + "---|---|---|"]
-    for key, (goal, at_least, against) in names.items():
+    for key, (goal, sign, against) in goals.items():
         values = ratios[key]
         known = [v for v in values if v is not None]
         median = float(np.median(known)) if known else None
 
-        def met(v: float | None, goal: float = goal, at_least: bool = at_least) -> bool:
-            return v is not None and (v >= goal if at_least else v <= goal)
+        def met(v: float | None, goal: float = goal, sign: str = sign) -> bool:
+            return v is not None and _MEETS[sign](v, goal)
 
         lines.append(
             f"| {key} | " + " | ".join(_fmt(v, 2) for v in values)
-            + f" | {_fmt(median, 2)} | {'>=' if at_least else '<='} {goal:g}x {against} | "
+            + f" | {_fmt(median, 2)} | {sign} {goal:g}x {against} | "
             f"{'-' if median is None else ('yes' if met(median) else 'no')} | "
             f"{sum(met(v) for v in values)} of {n} |")
     return "\n".join(lines)
 
 
-def _against(name: str) -> str:
-    if "goodput" in name or "better static" in name:
-        return "better static"
+#: How a ratio meets its goal, per ``_goal``'s sign.
+_MEETS = {">=": operator.ge, "<=": operator.le, "<": operator.lt}
+
+
+def _goal(name: str) -> tuple[str, str]:
+    """(sign, baseline) of a target row: how Flying's ratio must compare with its goal,
+    and against what."""
     if name.startswith("priority"):
-        return "both static"
-    return "best static" if "phase=" in name and "p50" in name else "static DP"
+        return "<", "both static"
+    sign = ">=" if "throughput" in name or "goodput" in name else "<="
+    if "goodput" in name or "better static" in name:
+        return sign, "better static"
+    return sign, "best static" if "phase=" in name and "p50" in name else "static DP"
 
 
 def flying_counters(out: Path) -> str:
