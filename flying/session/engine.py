@@ -131,6 +131,7 @@ class FlyingEngine(Lifecycle, Drain):
         for degree, member in sorted(self.pool.members.items()):
             try:
                 self.prepared[degree] = tp_scope.prepare(scheduler, member)
+                tp_scope.restock(self.prepared[degree])
             except Exception as exc:  # noqa: BLE001 - the probe closes groups it cannot run
                 logger.warning("flying: engine %d cannot prepare TP-%d: %s", self.dp_rank, degree, exc)
 

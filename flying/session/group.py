@@ -90,9 +90,15 @@ class GroupSession:
     growable: set = field(default_factory=set)
     batch: object = None  # the TP batch of the current step (until the next input boundary)
     failure: BaseException | None = None  # raised in a TP step; contained at next input
-    #: perf_counter stamps: bind taken, rendezvous done, first TP step ready
+    #: this member's arrival at the bind's handshake (settled when the session ends)
+    ticket: object = None
+    #: perf_counter stamps: bind taken, vote cast, scope opened, handshake done,
+    #: joining requests agreed, first TP step ready
     t_bind: float = 0.0
+    t_vote: float = 0.0
+    t_open: float = 0.0
     t_rendezvous: float = 0.0
+    t_join: float = 0.0
     t_ready: float = 0.0
 
     @property

@@ -57,6 +57,23 @@ class Lifecycle:
             return None, f"engine {self.dp_rank} failed to prepare: {exc}"
         return reservation, "" if reservation is not None else "member lacks KV capacity"
 
+    def _open_early(self, scheduler, bind: Bind, reservation, is_leader: bool):
+        """The session's scope, opened between announcing and concluding the handshake
+        so that its cost overlaps the peers' arrival; None if this member voted no or
+        opening failed (logged; the bind then opens it after a go, raising as before).
+        Nothing of it is entered: on abort it is dropped with the reservation."""
+        if reservation is None:
+            return None
+        try:
+            return tp_scope.open_scope(
+                scheduler, self.prepared[bind.degree], self.pool.member(bind.degree),
+                reservation, is_leader, self.faults,
+            )
+        except Exception:  # noqa: BLE001 - retried after the handshake
+            logger.exception("flying: engine %d: opening bind %s's scope early failed",
+                             self.dp_rank, bind.bind_id)
+            return None
+
     def _bind(self, scheduler, bind: Bind) -> GroupSession | None:
         """BINDING: vote, rendezvous, open the scope and hand the request; the session
         is RUNNING (TP state entered) on return, or None if the bind did not form."""
@@ -64,11 +81,16 @@ class Lifecycle:
         t0 = time.perf_counter()
         is_leader = self.dp_rank == bind.ranks[0]
         reservation, vote = self._vote(scheduler, bind)
-        verdict = self.pool.rendezvous(bind.bind_id, bind.degree, vote, self.bind_timeout_s)
+        t_vote = time.perf_counter()
+        ticket = self.pool.announce(bind.bind_id, bind.degree, vote)
+        scope = self._open_early(scheduler, bind, reservation, is_leader)  # peers arrive meanwhile
+        t_open = time.perf_counter()
+        verdict = self.pool.conclude(ticket, self.bind_timeout_s)
         if self.preempt == "soft":  # every member is past its drain wait now
             self.pool.store.delete_key(drain_keys(bind)[bind.ranks.index(self.dp_rank)])
         t_rdv = time.perf_counter()
         if not verdict.go:
+            self.pool.settle(ticket)
             tp_scope.release(scheduler, reservation)
             self.counters.aborted_binds += 1
             logger.warning("flying: bind %s aborted: %s", bind.bind_id, verdict.reason)
@@ -85,10 +107,12 @@ class Lifecycle:
             return None
         member = self.pool.member(bind.degree)
         self.counters.binds += 1
-        scope = tp_scope.open_scope(
-            scheduler, self.prepared[bind.degree], member, reservation, is_leader, self.faults
-        )
-        s = GroupSession(bind, member, scope, is_leader, t_bind=t0, t_rendezvous=t_rdv)
+        if scope is None:  # opening it early failed: open it now, as the bind goes on
+            scope = tp_scope.open_scope(
+                scheduler, self.prepared[bind.degree], member, reservation, is_leader, self.faults
+            )
+        s = GroupSession(bind, member, scope, is_leader, ticket=ticket, t_bind=t0, t_vote=t_vote,
+                         t_open=t_open, t_rendezvous=t_rdv)
         self.session = s
         if bind.upgrade is None:
             scope.tokenized[bind.req.rid] = bind.req  # containment re-runs it if all fails
@@ -98,6 +122,7 @@ class Lifecycle:
                 joining = upgrade.gather(self, scheduler, bind, member, self.faults)
             else:
                 joining = join.gather(self, scheduler, bind, member, is_leader, self.faults)
+            s.t_join = time.perf_counter()
             self.counters.preempted_dp_requests += len(scheduler.running_batch.reqs)
             scope.enter()
             s.to(State.RUNNING)
@@ -328,6 +353,9 @@ class Lifecycle:
             self.session = None
             s.state = State.RELEASED
             self.aborts.end_session()
+            if s.ticket is not None:
+                self.pool.settle(s.ticket)
+            tp_scope.restock(s.scope.prepared)
         for req in rerun:  # leader only: nothing was streamed, so DP answers instead
             self.counters.rerun_in_dp += 1
             scheduler.handle_generate_request(req)
@@ -347,6 +375,12 @@ class Lifecycle:
             "control_ms": max(0.0, (time.time() - s.bind.issued_at) * 1e3 - (t_end - t0) * 1e3),
             "rendezvous_ms": (t_rdv - t0) * 1e3,
             "scope_setup_ms": (t_scope - t_rdv) * 1e3,
+            # the parts: vote, open the scope, handshake | agree on joiners, enter
+            "vote_ms": (s.t_vote - t0) * 1e3,
+            "open_ms": (s.t_open - s.t_vote) * 1e3,
+            "handshake_ms": (t_rdv - s.t_open) * 1e3,
+            "join_ms": (s.t_join - t_rdv) * 1e3 if s.t_join else 0.0,
+            "enter_ms": (t_scope - s.t_join) * 1e3 if s.t_join and s.t_ready else 0.0,
             "session_ms": (t_end - t_scope) * 1e3,
         }
         switch_ms = (t_scope - t0) * 1e3

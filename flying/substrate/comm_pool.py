@@ -12,9 +12,11 @@ Invariants:
 - Every engine creates the groups that contain it, for every degree in ascending order,
   at startup; group creation is a rendezvous among the group's members only.
 - After startup, a collective on a group is entered only by a bound group's members,
-  after ``rendezvous()`` agreed on "go" for that bind (bounded by a timeout).
-- Decisions are made with the store's atomic ``compare_set``, so the members of a bind
-  always agree, even when one times out while another arrives.
+  after the bind handshake (``bind_handshake``: announce, conclude) agreed on "go" for
+  that bind (bounded by a timeout).
+- Decisions are made with the store's atomic ``compare_set`` and published to the members
+  through the group's shared segment, so the members of a bind always agree, even when
+  one times out while another arrives.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from flying.substrate import bind_handshake
+from flying.substrate.bind_handshake import Ticket, Verdict
 from flying.substrate.layout import Group, group_containing
 from flying.substrate.shm_allreduce import ShmAllReduce
 
@@ -49,28 +53,6 @@ def connect_store(address: str, timeout_s: float = 60.0):
     return dist.TCPStore(
         host, int(port), is_master=False, timeout=_dt.timedelta(seconds=timeout_s)
     )
-
-
-_OK = "ok"
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """The members' common decision on one bind (stored as ``go:<seq>`` / ``abort:<why>``)."""
-
-    go: bool
-    reason: str = ""
-    seq: int = 0  # go only: the shared-memory sequence base of the session's epoch
-
-    def encode(self) -> str:
-        return f"go:{self.seq}" if self.go else f"abort:{self.reason}"
-
-    @classmethod
-    def decode(cls, text: str) -> Verdict:
-        kind, _, rest = text.partition(":")
-        if kind == "go":
-            return cls(True, "", int(rest or 0))
-        return cls(False, rest or "no decision")
 
 
 @dataclass
@@ -211,56 +193,27 @@ class CommPool:
                 f"TP degree {degree} is not in this node's pool {sorted(self.members)}"
             ) from None
 
-    # -- bounded bind handshake ---------------------------------------------------
+    # -- bounded bind handshake (``bind_handshake``) -------------------------------
+
+    def announce(self, bind_id: str, degree: int, vote: str) -> Ticket:
+        """Publish this engine's arrival at ``bind_id`` with its vote ("" = can serve)."""
+        return bind_handshake.announce(self.store, self.member(degree), bind_id, vote)
+
+    def conclude(self, ticket: Ticket, timeout_s: float) -> Verdict:
+        """The members' common go / abort for the announced bind."""
+        return bind_handshake.conclude(self.store, ticket, timeout_s)
+
+    def settle(self, ticket: Ticket) -> None:
+        """Done with the bind's keys (after its session or abort, off the critical path)."""
+        bind_handshake.settle(self.store, ticket)
 
     def rendezvous(self, bind_id: str, degree: int, vote: str, timeout_s: float) -> Verdict:
-        """Agree with the other members on go or abort for ``bind_id``.
-
-        Each member announces itself with its ``vote`` ("" = can serve, else why not);
-        the leader waits up to ``timeout_s`` for all and decides; a non-leader that hears
-        nothing within ``2 * timeout_s`` decides abort itself. Both decide through
-        ``compare_set`` on one key, so exactly one decision wins and every member reads
-        the same one. On go, the leader also picks the sequence base of the group's
-        shared-memory epoch (every member resyncs to it: a previous session may have
-        ended in a fault, mid-collective). The last member to read the decision deletes
-        the bind's keys, so no store key outlives a bind.
-        """
-        member = self.member(degree)
-        base = f"flying/bind/{bind_id}"
-        self.store.set(f"{base}/arrive/{member.tp_rank}", vote or _OK)
-        decision_key = f"{base}/decision"
-        if member.tp_rank == 0:
-            keys = [f"{base}/arrive/{r}" for r in range(degree)]
-            try:
-                self.store.wait(keys, _dt.timedelta(seconds=timeout_s))
-                votes = [self.store.get(k).decode() for k in keys]
-                bad = [v for v in votes if v != _OK]
-                if bad:
-                    want = Verdict(False, bad[0]).encode()
-                else:  # every member is at its step boundary: no collective in flight
-                    seq = member.shm.published_max() + 2 if member.shm is not None else 0
-                    if member.shm is not None:
-                        member.shm.resync(seq, clear_poison=True)
-                    want = Verdict(True, "", seq).encode()
-            except (RuntimeError, dist.DistStoreError):
-                want = Verdict(False, f"a member did not arrive within {timeout_s:g} s").encode()
-            got = self.store.compare_set(decision_key, "", want).decode()
-        else:
-            try:
-                self.store.wait([decision_key], _dt.timedelta(seconds=2 * timeout_s))
-                got = self.store.get(decision_key).decode()
-            except (RuntimeError, dist.DistStoreError):
-                got = self.store.compare_set(
-                    decision_key, "", Verdict(False, "leader did not decide in time").encode()
-                ).decode()
-        verdict = Verdict.decode(got)
-        if verdict.go and member.shm is not None and member.tp_rank != 0:
-            member.shm.resync(verdict.seq, clear_poison=False)
-        if self.store.add(f"{base}/read", 1) == degree:  # the last reader cleans up
-            for key in [*(f"{base}/arrive/{r}" for r in range(degree)), decision_key]:
-                self.store.delete_key(key)
-            self.store.delete_key(f"{base}/read")
-        return verdict
+        """Announce, conclude and settle in one call (nothing prepared meanwhile)."""
+        ticket = self.announce(bind_id, degree, vote)
+        try:
+            return self.conclude(ticket, timeout_s)
+        finally:
+            self.settle(ticket)
 
 
 _POOL: CommPool | None = None

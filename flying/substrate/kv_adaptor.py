@@ -26,7 +26,7 @@ with ``H_kv % m == 0`` everything is as without replication (f = m).
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -70,14 +70,17 @@ def sub_slots(dp_slots: torch.Tensor, m: int) -> torch.Tensor:
 
 @dataclass
 class Reservation:
-    """DP slots lent to a TP session; their sub-slots seed the TP allocator."""
+    """DP slots lent to a TP session; their sub-slots seed the TP allocator.
+
+    ``tp_slots`` ([n * per_slot] int64) is computed once: a bind reads it on its
+    critical path (the allocator's supply and the session's capacity)."""
 
     dp_slots: torch.Tensor
     per_slot: int  # tokens per DP slot in the group's KV view (``tokens_per_slot``)
+    tp_slots: torch.Tensor = field(init=False, repr=False)
 
-    @property
-    def tp_slots(self) -> torch.Tensor:
-        return sub_slots(self.dp_slots, self.per_slot)
+    def __post_init__(self) -> None:
+        self.tp_slots = sub_slots(self.dp_slots, self.per_slot)
 
 
 def reserve(engine_allocator, tokens: int, m: int) -> Reservation | None:

@@ -13,6 +13,8 @@ has mapped it, so nothing survives in /dev/shm after setup, whatever happens lat
 
 A rank line holds that rank's published sequence number (int64), its pid and its pid
 namespace id; one cache line per rank, so publishing never shares a line with a peer.
+Header words 5-7 and rank-line words 3-7 belong to the bind handshake
+(``flying.substrate.bind_handshake``).
 
 Protocol of call number ``s`` (1, 2, ...) on rank ``r``:
 
@@ -41,6 +43,8 @@ for SGLang's collectives, which all members issue with tensors of the same shape
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import mmap
 import os
@@ -48,6 +52,7 @@ import platform
 import secrets
 import time
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -122,6 +127,13 @@ def _data_offset(world: int) -> int:
     return -(-(_HEADER + world * _LINE) // _ALIGN) * _ALIGN
 
 
+def _release(mm: mmap.mmap, lock_fd: int) -> None:
+    shm_segment.release(mm)
+    if lock_fd >= 0:
+        with contextlib.suppress(OSError):
+            os.close(lock_fd)
+
+
 def _group_allreduce(pg: dist.ProcessGroup, t: torch.Tensor) -> torch.Tensor:
     """Sum ``t`` over ``pg`` in place, with group-local semantics (no global ranks)."""
     pg.allreduce([t]).wait()
@@ -143,8 +155,10 @@ class ShmAllReduce:
         slot_bytes: int,
         label: str,
         policy: WaitPolicy,
+        lock_fd: int = -1,
     ) -> None:
         self.rank, self.world, self.slot_bytes = rank, world, slot_bytes
+        self._lock_fd = lock_fd  # the segment's file, open: the group's flock (``locked``)
         self.label, self.policy = label, policy
         self._mm = mm
         self._header = np.frombuffer(mm, dtype=np.int64, count=_HEADER // 8, offset=0)
@@ -162,7 +176,7 @@ class ShmAllReduce:
         self.calls = 0  # collectives completed through shared memory
         self.calls_gather = 0
         self.noted: set[tuple[str, str]] = set()  # (op, path) pairs already logged
-        self._finalizer = weakref.finalize(self, shm_segment.release, mm)
+        self._finalizer = weakref.finalize(self, _release, mm, lock_fd)
 
     # -- setup ---------------------------------------------------------------------
 
@@ -195,12 +209,13 @@ class ShmAllReduce:
             logger.info("flying: %s uses gloo for all-reduce (shared memory disabled)", label)
             return None
         size = _data_offset(world) + 2 * world * slot_bytes
-        name, mm, reason = "", None, ""
+        name, mm, reason, lock_fd = "", None, "", -1
         if rank == 0:
             shm_segment.sweep_stale()
             name = f"{shm_segment.PREFIX}{os.getpid()}_{secrets.token_hex(8)}"
             try:
                 mm = shm_segment.create(shm_segment.SHM_DIR / name, size, world)
+                lock_fd = os.open(shm_segment.SHM_DIR / name, os.O_RDWR)
             except OSError as exc:
                 reason, name = f"cannot create segment: {exc}", ""
         codes = torch.zeros(_NAME_LEN, dtype=torch.int64)
@@ -211,6 +226,7 @@ class ShmAllReduce:
         if name and rank != 0:
             try:
                 mm = shm_segment.attach(shm_segment.SHM_DIR / name, size, world)
+                lock_fd = os.open(shm_segment.SHM_DIR / name, os.O_RDWR)
             except (OSError, ValueError) as exc:
                 reason = f"cannot map {name}: {exc} (members not on one host?)"
         if mm is not None:
@@ -223,11 +239,11 @@ class ShmAllReduce:
             shm_segment.unlink(shm_segment.SHM_DIR / name)
         if int(ok[0]) != world:
             if mm is not None:
-                shm_segment.release(mm)
+                _release(mm, lock_fd)
             why = reason or "a member could not map the segment (members not on one host?)"
             logger.info("flying: %s uses gloo for all-reduce (%s)", label, why)
             return None
-        comm = cls(mm, rank, world, slot_bytes, label, policy)
+        comm = cls(mm, rank, world, slot_bytes, label, policy, lock_fd)
         logger.info(
             "flying: %s uses shared-memory all-reduce (%d ranks, %d KiB per slot, "
             "gloo above that)",
@@ -371,6 +387,22 @@ class ShmAllReduce:
         session on all of them in milliseconds, not after ``timeout_s``."""
         if self._header is not None:
             self._header[_POISON_WORD] = 1
+
+    def control_words(self) -> tuple[np.ndarray, np.ndarray]:
+        """(header [8], rank lines [W, 8]) int64 views: words 5-7 of the header and 3-7
+        of each line are free for the group's control protocols (``bind_handshake``)."""
+        return self._header, self._lines
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """Hold the group's lock (``flock`` on the segment's file, which every member
+        keeps open): a critical section across members, with the kernel's full memory
+        barriers on entry and exit, released by the kernel if the holder dies."""
+        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
 
     def published_max(self) -> int:
         """The highest sequence number any member has published."""

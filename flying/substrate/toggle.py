@@ -115,6 +115,19 @@ class Toggle:
         if self.entered:
             self._exchange(entry)
 
+    def reload(self, start: int, entries: list[tuple[object, str, object]]) -> None:
+        """Set the other values of the entries from index ``start`` on (not entered), so
+        that a toggle built once is reused with new values: ``entries`` name the same
+        (object, attribute) pairs in the same order as when they were added."""
+        if self.entered:
+            raise RuntimeError("toggle reloaded while entered")
+        for entry, (obj, name, value) in zip(self._entries[start:], entries, strict=True):
+            if entry[0] is not obj or entry[1] != name:
+                raise ValueError(f"toggle entry {name!r} reloaded out of order")
+            entry[2] = value
+            if isinstance(obj, torch.nn.Module):  # where it is exchanged depends on the value
+                entry[3] = _own_dict(obj, name, value)
+
     def other(self, obj: object, name: str) -> object:
         """The value ``obj.name`` has on the side that is not current."""
         for entry in reversed(self._entries):

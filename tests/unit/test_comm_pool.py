@@ -23,7 +23,8 @@ def _member(address, rank, engines, binds, delays, out):
         results.append(pool.rendezvous(bind_id, 2, vote="", timeout_s=0.5).encode())
     time.sleep(2.5)  # the late member's read completes the cleanup
     results.append(sorted(k for k in ("flying/bind/a/decision", "flying/bind/a/read",
-                                      "flying/bind/a/arrive/0", "flying/bind/b/decision")
+                                      "flying/bind/a/arrive/0", "flying/bind/b/decision",
+                                      "flying/bind/b/why/0")
                           if pool.store.check([k])))
     out.put((rank, results))
 
@@ -63,6 +64,49 @@ def test_leader_late_means_member_aborts_and_leader_agrees():
     res = _run(delays={0: [2.5], 1: [0.0]}, binds=["c"])
     assert res[0][1] == res[1][1]
     assert res[1][1].startswith("abort:")
+
+
+def _votes(address, rank, shm_on, out):
+    """A "no" vote (rank 1's), then a go, announced and concluded with work between
+    (the engine opens its scope there), on the shared segment or on the store alone."""
+    import os
+
+    os.environ["FLYING_SHM_ALLREDUCE"] = "1" if shm_on else "0"
+    pool = CommPool.create(address, rank, 2, [2], prefix=f"votes{int(shm_on)}")
+    got = {"shm": pool.member(2).shm is not None}
+    for bind_id, vote in (("d1", "member lacks KV capacity" if rank == 1 else ""), ("d2", "")):
+        ticket = pool.announce(bind_id, 2, vote)
+        time.sleep(0.05 * rank)  # the non-leader prepares longer: the leader waits for it
+        got[bind_id] = pool.conclude(ticket, timeout_s=5.0).encode()
+        pool.settle(ticket)
+    t = torch.full((2,), float(rank + 1))
+    got["after"] = pool.member(2).all_reduce(t).tolist()  # the epoch agreed at d2
+    time.sleep(1.0)  # both settled: no key of either bind is left
+    got["left"] = [k for b in ("d1", "d2") for k in (f"flying/bind/{b}/decision",
+                   f"flying/bind/{b}/arrive/1", f"flying/bind/{b}/read") if pool.store.check([k])]
+    out.put((rank, got))
+
+
+@pytest.mark.parametrize("shm_on", [True, False], ids=["shared-segment", "store-only"])
+def test_no_vote_reason_reaches_every_member_and_keys_are_settled(shm_on):
+    res = _two_engines(_votes, shm_on)
+    for r in (0, 1):
+        assert res[r]["shm"] is shm_on
+        assert res[r]["d1"] == "abort:member lacks KV capacity"
+        assert res[r]["d2"].startswith("go:")
+        assert res[r]["after"] == [3.0, 3.0]
+        assert res[r]["left"] == []
+    assert res[0]["d2"] == res[1]["d2"]  # the same epoch base on both
+
+
+def test_tokens_are_stable_and_distinct():
+    from flying.substrate.bind_handshake import token
+
+    ids = [f"{i:012x}" for i in range(2000)]
+    tokens = [token(b) for b in ids]
+    assert len(set(tokens)) == len(ids)
+    assert all(0 < t < 2**62 for t in tokens)
+    assert token("00000000abcd") == token("00000000abcd")
 
 
 def _control(address, rank, out):

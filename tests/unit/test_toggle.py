@@ -120,3 +120,25 @@ def test_module_forward_and_registered_submodule():
         assert outer[0] is other and dict(outer.named_children())["0"] is other
     assert "forward" not in vars(lin) and not torch.equal(lin(x), torch.zeros(1, 2))
     assert outer[0] is lin and dict(outer.named_children())["0"] is lin
+
+
+def test_reload_gives_a_reused_toggle_new_other_values():
+    """A session's TP state is one toggle per degree, reloaded with each session's
+    fresh queues and limits: the entries before ``start`` keep their values."""
+    o = Obj()
+    shared = object()
+    t = Toggle([(o, "pool", shared), (o, "queue", ["tp"]), (o, "limit", 20)])
+    t.enter()
+    o.queue.append("left over")
+    t.leave()
+    t.reload(1, [(o, "queue", []), (o, "limit", 30)])
+    t.enter()
+    assert o.pool is shared and o.queue == [] and o.limit == 30
+    with pytest.raises(RuntimeError):
+        t.reload(1, [(o, "queue", []), (o, "limit", 30)])  # entered
+    t.leave()
+    assert o.queue == ["dp"] and o.limit == 10 and not hasattr(o, "pool")
+    with pytest.raises(ValueError):
+        t.reload(1, [(o, "limit", 1), (o, "queue", [])])  # out of order
+    with pytest.raises(ValueError):
+        t.reload(1, [(o, "queue", [])])  # not every entry from start on

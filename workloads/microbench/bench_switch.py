@@ -71,36 +71,56 @@ def _ms(values: list[float]) -> str:
     return f"{statistics.median(values) * 1e3:.1f}" if values else "-"
 
 
-def run(model_args: list[str], engines: int, n: int, prompt_len: int, new: int, out: Path) -> str:
+#: The bind's parts each engine reports (``last_switch_ms``), in the order they happen.
+PARTS = {
+    "vote_ms": "vote (reserve this member's KV slot)",
+    "handshake_ms": "handshake (every member at its step boundary, agree on go)",
+    "open_ms": "open the scope (TP allocator, toggles)",
+    "join_ms": "agree on joining DP requests",
+    "enter_ms": "enter the TP state (scheduler, KV view, layers)",
+}
+
+
+def run(
+    model_args: list[str], engines: int, n: int, prompt_len: int, new: int, out: Path,
+    vanilla_too: bool = True,
+) -> str:
     """Both servers up at once; each prompt goes to Flying's group, to vanilla SGLang's
     TP and to one Flying engine in turn (interleaved, so drifts in the machine's speed hit
-    all three alike; an idle server sleeps, so only the one serving uses the cores)."""
+    all three alike; an idle server sleeps, so only the one serving uses the cores).
+    ``vanilla_too=False`` measures Flying's switch only (no vanilla server)."""
     out.mkdir(parents=True, exist_ok=True)
     prompts = _prompts(n, prompt_len)
-    split: dict[str, list[float]] = {"control_ms": [], "rendezvous_ms": [], "scope_setup_ms": []}
+    split: dict[str, list[float]] = {
+        "control_ms": [], "rendezvous_ms": [], "scope_setup_ms": [], **{k: [] for k in PARTS},
+    }
+    per_engine: dict[tuple[int, str], list[float]] = {}
     tp_lat, dp_lat, vanilla_lat = [], [], []
     tp_hdr = {"X-Flying-TP": str(engines)}
     flying = _serve([*model_args, "--dp-size", str(engines), "--flying-policy", "manual"],
                     out / "flying.log")
     try:
         vanilla = _serve([*model_args, "--tp-size", str(engines), "--dp-size", "1"],
-                         out / "vanilla_tp.log")
+                         out / "vanilla_tp.log") if vanilla_too else None
         try:
             for _ in range(2):  # warm both
                 _post(flying.url + "/generate", _payload(prompts[0], 4), tp_hdr)
-                _post(vanilla.url + "/generate", _payload(prompts[0], 4))
+                if vanilla is not None:
+                    _post(vanilla.url + "/generate", _payload(prompts[0], 4))
             for ids in prompts:
                 tp_lat.append(_post(flying.url + "/generate", _payload(ids, new), tp_hdr)[1])
-                for eng in _get(flying.url + "/flying/status")["engines"]:
+                for i, eng in enumerate(_get(flying.url + "/flying/status")["engines"]):
                     for key in split:
                         split[key].append(eng["last_switch_ms"][key] / 1e3)
-                vanilla_lat.append(_post(vanilla.url + "/generate", _payload(ids, new))[1])
+                        per_engine.setdefault((i, key), []).append(eng["last_switch_ms"][key] / 1e3)
+                if vanilla is not None:
+                    vanilla_lat.append(_post(vanilla.url + "/generate", _payload(ids, new))[1])
                 dp_lat.append(_post(flying.url + "/generate", _payload(ids, new))[1])
         finally:
-            vanilla.stop()
+            if vanilla is not None:
+                vanilla.stop()
     finally:
         flying.stop()
-    ratio = statistics.median(tp_lat) / statistics.median(vanilla_lat)
     bind = [r + s for r, s in zip(split["rendezvous_ms"], split["scope_setup_ms"], strict=True)]
     lines = [
         f"Requests: {n}, prompt {prompt_len} tokens, {new} new tokens, greedy; {engines} "
@@ -112,14 +132,20 @@ def run(model_args: list[str], engines: int, n: int, prompt_len: int, new: int, 
         f"| bind: control round trip (controller issue -> engine step boundary) | {_ms(split['control_ms'])} |",
         f"| bind: rendezvous (bounded handshake on the store) | {_ms(split['rendezvous_ms'])} |",
         f"| bind: mode-scope setup (allocator, cache, enter the prepared views) | {_ms(split['scope_setup_ms'])} |",
+        *(f"| - {label} | {_ms(split[key])} |" for key, label in PARTS.items()),
         f"| **bind -> first group step (rendezvous + scope)** | **{_ms(bind)}** "
         f"({statistics.mean(bind) * 1e3:.2f} mean) |",
         f"| request in a Flying TP-{engines} group (e2e, incl. bind + release) | {_ms(tp_lat)} |",
         f"| same request on vanilla SGLang --tp-size {engines} | {_ms(vanilla_lat)} |",
         f"| same request on one engine (Flying, DP mode) | {_ms(dp_lat)} |",
-        "",
-        f"Flying TP-{engines} / vanilla TP-{engines} latency ratio: **{ratio:.2f}**",
     ]
+    lines += ["", "Per engine (median ms; engine 0 leads the group):", "",
+              "| engine | " + " | ".join(split) + " |", "|---" * (len(split) + 1) + "|"]
+    for i in sorted({i for i, _ in per_engine}):
+        lines.append(f"| {i} | " + " | ".join(_ms(per_engine[(i, k)]) for k in split) + " |")
+    if vanilla_lat:
+        ratio = statistics.median(tp_lat) / statistics.median(vanilla_lat)
+        lines += ["", f"Flying TP-{engines} / vanilla TP-{engines} latency ratio: **{ratio:.2f}**"]
     table = "\n".join(lines)
     (out / "bench_switch.md").write_text(table + "\n")
     return table
@@ -133,13 +159,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--out", type=Path, default=Path("results/bench_switch"))
+    p.add_argument("--skip-vanilla", action="store_true",
+                   help="measure Flying's switch only (no vanilla --tp-size server)")
     a = p.parse_args(argv)
     model_args = ["--model-path", a.model_path] if a.model_path else []
     if not model_args:
         from flying.node.demo_model import ensure_demo_model
 
         model_args = ["--model-path", str(ensure_demo_model())]
-    print(run(model_args, a.engines, a.requests, a.prompt_len, a.new_tokens, a.out))
+    print(run(model_args, a.engines, a.requests, a.prompt_len, a.new_tokens, a.out,
+              vanilla_too=not a.skip_vanilla))
 
 
 if __name__ == "__main__":
