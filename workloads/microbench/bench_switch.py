@@ -2,9 +2,10 @@
 
 1. Flying, ``--dp-size N``: for each of ``--requests`` sequential requests with
    ``X-Flying-TP: N``, the bind/release split each engine reports in ``/flying/status``
-   (control round trip = controller issue -> engine step boundary, rendezvous = the
-   bounded handshake, scope setup = entering TP mode) and the request's end-to-end
-   latency; then the same prompts as plain DP requests.
+   (control round trip = controller issue -> engine step boundary, rendezvous = vote,
+   open the session's scope and the bounded handshake, scope setup = agree on joining
+   DP requests and enter TP mode; each part also alone, and per engine) and the
+   request's end-to-end latency; then the same prompts as plain DP requests.
 2. Vanilla SGLang ``--tp-size N --dp-size 1`` (through ``flying.node.launch``, so on the same
    CPU platform) on the same prompts, up at the same time, requests interleaved.
 
@@ -12,6 +13,7 @@ Prints a markdown table (and writes it with ``--out``). Not a test: numbers depe
 machine; the ratios are what to compare.
 
     python -m workloads.bench_switch [--model-path DIR] [--engines 2] [--requests 10]
+                                     [--skip-vanilla]
 """
 
 from __future__ import annotations
@@ -110,9 +112,10 @@ def run(
             for ids in prompts:
                 tp_lat.append(_post(flying.url + "/generate", _payload(ids, new), tp_hdr)[1])
                 for i, eng in enumerate(_get(flying.url + "/flying/status")["engines"]):
-                    for key in split:
-                        split[key].append(eng["last_switch_ms"][key] / 1e3)
-                        per_engine.setdefault((i, key), []).append(eng["last_switch_ms"][key] / 1e3)
+                    for key, ms in eng["last_switch_ms"].items():
+                        if key in split:  # a server before the parts were reported has none
+                            split[key].append(ms / 1e3)
+                            per_engine.setdefault((i, key), []).append(ms / 1e3)
                 if vanilla is not None:
                     vanilla_lat.append(_post(vanilla.url + "/generate", _payload(ids, new))[1])
                 dp_lat.append(_post(flying.url + "/generate", _payload(ids, new))[1])
@@ -122,6 +125,7 @@ def run(
     finally:
         flying.stop()
     bind = [r + s for r, s in zip(split["rendezvous_ms"], split["scope_setup_ms"], strict=True)]
+    split = {k: v for k, v in split.items() if v}
     lines = [
         f"Requests: {n}, prompt {prompt_len} tokens, {new} new tokens, greedy; {engines} "
         "engines; both servers up, requests interleaved (Flying TP, vanilla TP, Flying DP). "
@@ -130,9 +134,9 @@ def run(
         "| measure | median (ms) |",
         "|---|---|",
         f"| bind: control round trip (controller issue -> engine step boundary) | {_ms(split['control_ms'])} |",
-        f"| bind: rendezvous (bounded handshake on the store) | {_ms(split['rendezvous_ms'])} |",
-        f"| bind: mode-scope setup (allocator, cache, enter the prepared views) | {_ms(split['scope_setup_ms'])} |",
-        *(f"| - {label} | {_ms(split[key])} |" for key, label in PARTS.items()),
+        f"| bind: rendezvous (vote, open the scope, bounded handshake) | {_ms(split['rendezvous_ms'])} |",
+        f"| bind: mode-scope setup (joining requests, enter the prepared views) | {_ms(split['scope_setup_ms'])} |",
+        *(f"| - {label} | {_ms(split[key])} |" for key, label in PARTS.items() if key in split),
         f"| **bind -> first group step (rendezvous + scope)** | **{_ms(bind)}** "
         f"({statistics.mean(bind) * 1e3:.2f} mean) |",
         f"| request in a Flying TP-{engines} group (e2e, incl. bind + release) | {_ms(tp_lat)} |",
@@ -142,7 +146,7 @@ def run(
     lines += ["", "Per engine (median ms; engine 0 leads the group):", "",
               "| engine | " + " | ".join(split) + " |", "|---" * (len(split) + 1) + "|"]
     for i in sorted({i for i, _ in per_engine}):
-        lines.append(f"| {i} | " + " | ".join(_ms(per_engine[(i, k)]) for k in split) + " |")
+        lines.append(f"| {i} | " + " | ".join(_ms(per_engine.get((i, k), [])) for k in split) + " |")
     if vanilla_lat:
         ratio = statistics.median(tp_lat) / statistics.median(vanilla_lat)
         lines += ["", f"Flying TP-{engines} / vanilla TP-{engines} latency ratio: **{ratio:.2f}**"]
