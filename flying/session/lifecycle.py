@@ -92,6 +92,8 @@ class Lifecycle:
         if not verdict.go:
             self.pool.settle(ticket)
             tp_scope.release(scheduler, reservation)
+            if scope is not None:  # opened early: its running batch was the spare one
+                tp_scope.restock(scope.prepared)
             self.counters.aborted_binds += 1
             logger.warning("flying: bind %s aborted: %s", bind.bind_id, verdict.reason)
             if bind.upgrade is not None:  # it goes on in DP; one that left a group ends

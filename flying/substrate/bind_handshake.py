@@ -46,8 +46,10 @@ _YES, _NO = 1, 2
 _GO, _ABORT_BY = 1, 2
 
 #: Waiting for a shared word: spin this long, then sleep from the first to the longest
-#: sleep, doubling (a peer finishing a long step costs no core meanwhile).
+#: sleep, doubling; past ``_PATIENT_S`` of waiting (a peer finishing a long step) up to
+#: ``_LONG_SLEEP_S``, so the wait takes almost no core from the peer it waits for.
 _SPIN_S, _FIRST_SLEEP_S, _MAX_SLEEP_S = 50e-6, 20e-6, 200e-6
+_PATIENT_S, _LONG_SLEEP_S = 5e-3, 1e-3
 
 
 @dataclass(frozen=True)
@@ -238,9 +240,9 @@ def _wait_until(ready, timeout_s: float) -> bool:
         if ready():
             return True
     sleep = _FIRST_SLEEP_S
-    while time.perf_counter() - start < timeout_s:
+    while (waited := time.perf_counter() - start) < timeout_s:
         time.sleep(sleep)
         if ready():
             return True
-        sleep = min(2 * sleep, _MAX_SLEEP_S)
+        sleep = min(2 * sleep, _MAX_SLEEP_S if waited < _PATIENT_S else _LONG_SLEEP_S)
     return False

@@ -204,8 +204,12 @@ class CommPool:
         return bind_handshake.conclude(self.store, ticket, timeout_s)
 
     def settle(self, ticket: Ticket) -> None:
-        """Done with the bind's keys (after its session or abort, off the critical path)."""
-        bind_handshake.settle(self.store, ticket)
+        """Done with the bind's keys (after its session or abort, off the critical path).
+        Never raises: a key left behind costs a few bytes, an exception here an engine."""
+        try:
+            bind_handshake.settle(self.store, ticket)
+        except Exception:  # noqa: BLE001
+            logger.exception("flying: engine %d: settling bind %s failed", self.dp_rank, ticket.bind_id)
 
     def rendezvous(self, bind_id: str, degree: int, vote: str, timeout_s: float) -> Verdict:
         """Announce, conclude and settle in one call (nothing prepared meanwhile)."""

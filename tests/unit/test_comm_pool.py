@@ -185,3 +185,18 @@ def test_poisoned_group_wakes_peers_and_resyncs_at_the_next_bind():
     assert res[0]["go"] and res[1]["go"]
     assert res[0]["after"] == res[1]["after"] == [3.0] * 8
     assert res[0]["ids"] == res[1]["ids"] == [1, 2]  # the leader's tokens everywhere
+
+
+def test_wait_until_sees_a_flip_and_gives_up_after_its_timeout():
+    from flying.substrate.bind_handshake import _wait_until
+
+    calls = []
+
+    def flips_on_the_fifth_poll() -> bool:
+        calls.append(1)
+        return len(calls) >= 5
+
+    assert _wait_until(flips_on_the_fifth_poll, timeout_s=5.0)
+    t0 = time.perf_counter()
+    assert not _wait_until(lambda: False, timeout_s=0.02)  # past the patient phase too
+    assert time.perf_counter() - t0 >= 0.02
