@@ -75,8 +75,9 @@ class Lifecycle:
             return None
 
     def _bind(self, scheduler, bind: Bind) -> GroupSession | None:
-        """BINDING: vote, rendezvous, open the scope and hand the request; the session
-        is RUNNING (TP state entered) on return, or None if the bind did not form."""
+        """BINDING: vote, announce, open the scope while the other members arrive,
+        conclude the handshake, enter and hand the request; the session is RUNNING (TP
+        state entered) on return, or None if the bind did not form."""
         self.draining = False
         t0 = time.perf_counter()
         is_leader = self.dp_rank == bind.ranks[0]

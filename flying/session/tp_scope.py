@@ -319,12 +319,11 @@ def _degree_values(scheduler, prepared: Prepared, member, is_leader: bool, fault
 
 def _session_values(scheduler, prepared: Prepared, capacity: int) -> list:
     """The TP state's entries that each session starts afresh (queues, batches, limits)."""
-    from sglang.srt.managers.schedule_batch import ScheduleBatch
-
+    restock(prepared)  # normally made after the last session already
     batch, prepared.spare_batch = prepared.spare_batch, None
     return [
         (scheduler, "waiting_queue", []),
-        (scheduler, "running_batch", batch or ScheduleBatch(reqs=[], batch_is_full=False)),
+        (scheduler, "running_batch", batch),
         (scheduler, "last_batch", None),
         (scheduler, "chunked_req", None),
         # DP requests waiting for their grammar: SGLang moves them into the waiting
@@ -361,7 +360,7 @@ def open_scope(scheduler, prepared: Prepared, member, reservation, is_leader: bo
     state = prepared.state
     if state is not None and not state.entered:
         state.reload(len(state) - len(fresh), fresh)
-    else:
+    else:  # the first session of this degree (kept), or one beside an entered one
         state = Toggle(_degree_values(scheduler, prepared, member, is_leader, faults) + fresh)
         prepared.state = prepared.state or state
     return Scope(

@@ -14,9 +14,9 @@ Invariants:
 - After startup, a collective on a group is entered only by a bound group's members,
   after the bind handshake (``bind_handshake``: announce, conclude) agreed on "go" for
   that bind (bounded by a timeout).
-- Decisions are made with the store's atomic ``compare_set`` and published to the members
-  through the group's shared segment, so the members of a bind always agree, even when
-  one times out while another arrives.
+- A bind's decision is made exactly once (under the group's lock on its shared segment,
+  or by the store's atomic ``compare_set`` without one), so the members of a bind always
+  agree, even when one times out while another arrives.
 """
 
 from __future__ import annotations
