@@ -159,12 +159,13 @@ def _decide(store, ticket: Ticket, want: Verdict) -> Verdict:
         store.set(ticket.why_key(rank), want.reason)
         ticket.wrote_why = True
     header = member.shm.control_words()[0]
-    with member.shm.locked():
+    with member.shm.locked():  # every writer holds it: the words cannot change in here
         if int(header[_DECISION_TOKEN]) != ticket.token:
             header[_DECISION] = _GO if want.go else _ABORT_BY + rank
             header[_DECISION_SEQ] = want.seq
             header[_DECISION_TOKEN] = ticket.token  # last: publishes the decision
-    return _shared_decision(store, ticket)
+        code, seq = int(header[_DECISION]), int(header[_DECISION_SEQ])
+    return _verdict(store, ticket, code, seq)
 
 
 def _shared_decision(store, ticket: Ticket) -> Verdict | None:
@@ -175,9 +176,14 @@ def _shared_decision(store, ticket: Ticket) -> Verdict | None:
     code, seq = int(header[_DECISION]), int(header[_DECISION_SEQ])
     if int(header[_DECISION_TOKEN]) != ticket.token:  # overwritten meanwhile: a later bind
         return None
+    return _verdict(store, ticket, code, seq)
+
+
+def _verdict(store, ticket: Ticket, code: int, seq: int) -> Verdict:
+    """The verdict that the shared words ``code`` and ``seq`` stand for."""
     if code == _GO:
         return Verdict(True, "", seq)
-    return Verdict(False, store.get(ticket.why_key(code - _ABORT_BY)).decode())
+    return Verdict(False, store.get(ticket.why_key(code - _ABORT_BY)).decode())  # the reason
 
 
 def _leader_wants(store, ticket: Ticket, timeout_s: float) -> Verdict:
