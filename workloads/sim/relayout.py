@@ -102,16 +102,25 @@ def _take_upgrade(node: SimNode, s: Session, bind: Bind) -> bool:
     return True
 
 
-def admit(node: SimNode, s: Session) -> None:
-    leader = s.members[0]
-    offers = []
-    for b in leader.pending:
+def offers(s: Session) -> list:
+    """The same-group binds at the head of the leader's queue (``admission.candidates``):
+    what this boundary's exchange offers, admitted at the next boundary."""
+    out = []
+    for b in s.members[0].pending:
         if b.ranks != s.ranks or b.degree != s.bind.degree or b.upgrade is not None:
             break
-        offers.append(b)
-        if len(offers) == MAX_OFFERS:
+        out.append(b)
+        if len(out) == MAX_OFFERS:
             break
-    for b in offers:
+    return out
+
+
+def admit(node: SimNode, s: Session, offered: list) -> None:
+    """Admit the last exchange's ``offered`` binds (``admission.admit``), in order, while
+    every member can reserve their KV (else admission closes for the session)."""
+    for b in offered:
+        if b not in s.members[0].pending:
+            break  # taken meanwhile (it formed its own session, or was aborted)
         req = b.req
         if req is None or req.done:
             break  # an aborted request is not admitted; its bind forms (and aborts) later

@@ -47,6 +47,7 @@ from workloads.measure.metrics import Summary, flatten, summarize
 from workloads.measure.records import RequestRecord, load_records
 from workloads.reports.targets import quiet_slos
 from workloads.sim.profile import CPU_FRONTEND_MS, Profile, from_decision_log, from_status
+from workloads.sim.record_costs import costs_from_records
 from workloads.sim.run import policy_settings, simulate
 
 SYSTEMS = ("static-dp", "static-tp", "flying")
@@ -159,9 +160,30 @@ def errors(simulated: Summary, measured: Summary) -> list[tuple[str, float | Non
     return out
 
 
+Row = tuple[str, str, str, float | None, float | None, float | None]
+
+
 def validate(run_dir: Path, decision_log: str | None = None, kv_heads: int = 0,
              frontend_ms: float = CPU_FRONTEND_MS, overlap: bool = True,
-             stretch: str = "none", curves: str = "end") -> str:
+             stretch: str = "none", curves: str = "end", steps: str = "profile") -> str:
+    """The report: a header, what was measured per system, the table of errors."""
+    header, notes, rows = compare_run(run_dir, decision_log, kv_heads, frontend_ms, overlap,
+                                      stretch, curves, steps)
+    lines = [header, *notes, "", "| system | simulated as | metric | simulated | measured | error |",
+             "|---|---|---|---|---|---|"]
+    for system, name, label, sim, meas, err in rows:
+        cells = [system, name, label, _fmt(sim), _fmt(meas),
+                 "-" if err is None else f"{100 * err:+.1f}%"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def compare_run(run_dir: Path, decision_log: str | None = None, kv_heads: int = 0,
+                frontend_ms: float = CPU_FRONTEND_MS, overlap: bool = True,
+                stretch: str = "none", curves: str = "end",
+                steps: str = "profile") -> tuple[str, list[str], list[Row]]:
+    """(header, notes, rows): each system simulated on the run's trace; a row is
+    (system, simulated as, metric, simulated, measured, relative error)."""
     context_file = run_dir / "context.json"
     context = json.loads(context_file.read_text()) if context_file.is_file() else {}
     slos = scoring_slos(run_dir, context)
@@ -178,25 +200,30 @@ def validate(run_dir: Path, decision_log: str | None = None, kv_heads: int = 0,
         scaled = "; stretch as logged " + ", ".join(
             f"TP-{d}: {costs.factor(d):g}" if d > 1 else f"DP: {costs.factor(d):g}"
             for d in sorted(set(profile.costs.decode_ms) | set(factors)))
-    lines = [f"SIMULATED vs MEASURED: {run_dir} ({engines} engines; profile: {profile.source}; "
-             f"overlap loop {'on' if overlap else 'off'}; frontend {frontend_ms:g} ms; "
-             f"goodput SLOs {slos}{scaled})", "",
-             "| system | simulated as | metric | simulated | measured | error |",
-             "|---|---|---|---|---|---|"]
+    header = (f"SIMULATED vs MEASURED: {run_dir} ({engines} engines; profile: {profile.source}; "
+              f"overlap loop {'on' if overlap else 'off'}; frontend {frontend_ms:g} ms; "
+              f"goodput SLOs {slos}{scaled})")
+    notes: list[str] = []
+    rows: list[Row] = []
     for system in SYSTEMS:
         records_file = run_dir / system / "records.jsonl"
         if not records_file.is_file():
             continue
         records = load_records(records_file)
         name, cfg = settings(system, engines, head)
-        result = simulate(trace_of(records), profile, engines, policy_settings(name, cfg),
+        own = profile
+        if steps == "records":  # this server's own steps, from its client's token times
+            under_overlap = frozenset({1, engines} if system == "static-tp" else {1})
+            costs, said = costs_from_records(records, engines, profile.costs, frontend_ms,
+                                             under_overlap if overlap else frozenset())
+            own = replace(profile, costs=costs)
+            notes.append(f"{system}'s steps from its records: {said}")
+        result = simulate(trace_of(records), own, engines, policy_settings(name, cfg),
                           name=name, log=False, tp_overlap=system == "static-tp")
         for label, sim, meas, err in errors(summarize(result.records, slos=slos),
                                             summarize(records, slos=slos)):
-            cells = [system, name, label, _fmt(sim), _fmt(meas),
-                     "-" if err is None else f"{100 * err:+.1f}%"]
-            lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+            rows.append((system, name, label, sim, meas, err))
+    return header, notes, rows
 
 
 def _fmt(value: float | None) -> str:
@@ -223,9 +250,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--curves", choices=("end", "log"), default="end",
                         help="the cost curves as the engines published them at the run's "
                         "end (status.json, the default) or at the log's last decision")
+    parser.add_argument("--steps", choices=("profile", "records"), default="profile",
+                        help="every system at the measured profile's step costs (profile) "
+                        "or each at the steps its own records show "
+                        "(records: workloads.sim.record_costs)")
     args = parser.parse_args(argv)
     print(validate(Path(args.run_dir), args.decision_log, args.kv_heads, args.frontend_ms,
-                   args.overlap, args.stretch, args.curves))
+                   args.overlap, args.stretch, args.curves, args.steps))
     return 0
 
 
