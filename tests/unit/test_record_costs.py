@@ -10,7 +10,9 @@ import pytest
 from flying.node.config import FlyingConfig
 from scheduler.costs import Costs, Curve
 from workloads.load.presets import build_preset
-from workloads.measure.records import RequestRecord
+from workloads.measure.metrics import flatten, summarize
+from workloads.measure.records import RequestRecord, load_records
+from workloads.sim.cli import main as simulate_main
 from workloads.sim.profile import load
 from workloads.sim.record_costs import costs_from_records, decode_points, timelines
 from workloads.sim.run import policy_settings, simulate
@@ -87,3 +89,27 @@ def test_the_measured_run_is_reproduced_with_each_servers_own_steps():
     _, _, quiet = compare_run(MEASURED)
     worst = max(abs(r[5]) for r in quiet if not r[2].startswith("goodput"))
     assert worst > 0.20
+
+
+def test_the_command_simulates_the_preset_at_a_measured_servers_steps(tmp_path, capsys):
+    """``workloads.simulate --steps-from-records`` on the kept run's static DP server,
+    saved as a profile and simulated again from it: the preset the run replayed comes
+    out within 20 % of the measured TTFT p50 / p90 and TPOT p50, both times alike."""
+    saved = tmp_path / "measured-dp.json"
+    args = ["--preset", "cpu-three-peak", "--policies", "static-dp", "--no-plot",
+            "--frontend-ms", "8"]
+    assert simulate_main([*args, "--profile-from-log", str(MEASURED / "flying" / "decisions.jsonl"),
+                          "--steps-from-records", str(MEASURED / "static-dp" / "records.jsonl"),
+                          "--save-profile", str(saved)]) == 0
+    first = capsys.readouterr().out
+    assert "steps from records.jsonl (DP: 14 decode points" in first
+    assert simulate_main([*args, "--profile", str(saved)]) == 0
+    again = capsys.readouterr().out
+    rows = [next(line for line in out.splitlines() if line.startswith("| static-dp |"))
+            for out in (first, again)]
+    assert rows[0] == rows[1]
+    sim = [float(c) for c in rows[0].split("|")[2:5]]
+    measured = summarize(load_records(MEASURED / "static-dp" / "records.jsonl"))
+    f = flatten(measured)
+    for got, key in zip(sim, ("ttft_ms.p50", "ttft_ms.p90", "tpot_ms.p50"), strict=True):
+        assert got == pytest.approx(f[f"overall.{key}"], rel=0.20), key

@@ -5,6 +5,8 @@
     python -m workloads.simulate --preset paper --profile h200-llama3-8b --engines 8 \\
         --policies static-dp,static-tp2,static-tp4,static-tp8,adaptive
     python -m workloads.simulate --profile-from-log decisions.jsonl --preset cpu-burst
+    python -m workloads.simulate --profile-from-log RUN/flying/decisions.jsonl \\
+        --steps-from-records RUN/flying/records.jsonl --preset cpu-three-peak
     python -m workloads.simulate --preset paper --profile h100-llama3-8b \\
         --arrival poisson --rates 10,20,40,80        # goodput against rate
 
@@ -30,8 +32,9 @@ from pathlib import Path
 from flying.node.config import add_cli_args, from_cli_args
 from workloads.load.cli import add_goodput_args, add_trace_args, slos_from_args, trace_from_args
 from workloads.measure.metrics import Summary, flatten, summarize
-from workloads.measure.records import save_records
+from workloads.measure.records import load_records, save_records
 from workloads.sim import profile as profiles
+from workloads.sim.record_costs import costs_from_records
 from workloads.sim.run import SimResult, policy_settings, simulate
 
 DEFAULT_POLICIES = "static-dp,static-tp,adaptive"
@@ -58,6 +61,10 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--overlap", action=argparse.BooleanOptionalAction, help="SGLang's "
                         "overlap loop holds a step's tokens to the next step's end "
                         "(default: the profile's; off on the GPU profiles)")
+    parser.add_argument("--steps-from-records", metavar="JSONL", help="a run's client "
+                        "records (workloads.client): the steps its server ran replace the "
+                        "profile's (workloads.sim.record_costs; with --save-profile, a "
+                        "profile of that server)")
     parser.add_argument("--save-profile", metavar="JSON", help="write the profile used here")
     parser.add_argument("--engines", type=int, help="engines (default: the profile's node)")
     parser.add_argument("--policies", default=DEFAULT_POLICIES,
@@ -84,7 +91,16 @@ def load_profile(args: argparse.Namespace) -> profiles.Profile:
         profile = replace(profile, frontend_ms=args.frontend_ms)
     if args.overlap is not None:
         profile = replace(profile, overlap=args.overlap)
-    return replace(profile, kv_tokens=args.kv_tokens) if args.kv_tokens else profile
+    if args.kv_tokens:
+        profile = replace(profile, kv_tokens=args.kv_tokens)
+    if args.steps_from_records:
+        records = load_records(args.steps_from_records)
+        engines = args.engines or profile.max_engines
+        costs, said = costs_from_records(records, engines, profile.costs, profile.frontend_ms,
+                                         frozenset({1}) if profile.overlap else frozenset())
+        profile = replace(profile, costs=costs, source=f"{profile.source}; steps from "
+                          f"{Path(args.steps_from_records).name} ({said})")
+    return profile
 
 
 def _f(value: float | None, digits: int = 1) -> str:
