@@ -298,6 +298,7 @@ class SimNode:
     def _group_boundary(self, s: Session) -> None:
         if any(m.state != "wait" for m in s.members):
             return
+        again = True  # a boundary without a batch but with offers forms once more
         while True:
             # the last exchange's offers first (``Lifecycle._tp_form``: a bind seen at one
             # boundary is offered in its exchange and admitted at the next)
@@ -318,10 +319,12 @@ class SimNode:
                 s.offered = relayout.offers(s)
             if step is not None:
                 break
-            if not s.offered:
+            if not (s.offered and again):
                 self.release(s, 0.0)
                 return
-            # no batch but offers: the members form again at once (``_tp_boundary``)
+            # no batch but offers: the members form again at once (``_tp_boundary``);
+            # once: an offer that cannot be admitted (its request aborted) ends it
+            again = False
         ms = step.ms + s.extra_ms
         s.server.reveal(self.loop.now + ms / 1000.0)
         s.extra_ms = 0.0

@@ -13,8 +13,8 @@ From those this module reads the steps the server actually ran:
   their first and last token at the gap's midpoint. A gap in which one of the unit's
   requests had its first token, or has it at the end of the next gap (SGLang's overlap
   loop hands a step's tokens out when the next step ends), held a prefill step as well
-  and is left out. Per (degree, batch) the median of the gaps left, where there are at
-  least ``MIN_GAPS``.
+  and is left out. Per (degree, batch) the mean of the gaps left (TPOT is a mean of
+  gaps, stalls included), where there are at least ``MIN_GAPS``.
 - **prefill**: a request that arrived at an idle unit (none of its requests running
   or waiting) took ``ttft - frontend - one decode step at batch 1`` under the overlap
   loop (the first token reaches the client when the step after the prefill ends;
@@ -98,13 +98,18 @@ def timelines(records: Sequence[RequestRecord], engines: int) -> list[Timeline]:
     return out
 
 
-def decode_points(lines: Sequence[Timeline]) -> dict[int, list[tuple[float, float]]]:
-    """Per degree: (batch, median ms of a decode step at that batch)."""
-    by_unit: dict[tuple[int, ...], list[Timeline]] = defaultdict(list)
+def _by_unit(lines: Sequence[Timeline]) -> list[list[Timeline]]:
+    """The timelines of each unit (engine or group) together."""
+    units: dict[tuple[int, ...], list[Timeline]] = defaultdict(list)
     for line in lines:
-        by_unit[line.unit].append(line)
+        units[line.unit].append(line)
+    return list(units.values())
+
+
+def decode_points(lines: Sequence[Timeline]) -> dict[int, list[tuple[float, float]]]:
+    """Per degree: (batch, mean ms of a decode step at that batch)."""
     gaps: dict[tuple[int, int], list[float]] = defaultdict(list)
-    for unit_lines in by_unit.values():
+    for unit_lines in _by_unit(lines):
         firsts = sorted(line.first for line in unit_lines)
         for line in unit_lines:
             for a, b, c in zip(line.times, line.times[1:], line.times[2:] + (None,), strict=False):
@@ -125,11 +130,8 @@ def prefill_samples(lines: Sequence[Timeline], decode: dict[int, list[tuple[floa
                     frontend_ms: float, overlap: frozenset[int]) -> dict[int, list[tuple[float, float]]]:
     """Per degree: (prompt tokens, ms of its prefill) of each request that found its
     unit idle (see the module docstring)."""
-    by_unit: dict[tuple[int, ...], list[Timeline]] = defaultdict(list)
-    for line in lines:
-        by_unit[line.unit].append(line)
     samples: dict[int, list[tuple[float, float]]] = defaultdict(list)
-    for unit_lines in by_unit.values():
+    for unit_lines in _by_unit(lines):
         for line in unit_lines:
             if any(q is not line and q.sent <= line.sent <= q.last for q in unit_lines):
                 continue  # the unit was busy when it arrived
@@ -151,7 +153,7 @@ def costs_from_records(records: Sequence[RequestRecord], engines: int, base: Cos
     prefills = prefill_samples(lines, decode, frontend_ms, overlap)
     ratios = {d: _median(ms / ref for b, ms in points if (ref := base.decode(d, b)))
               for d, points in decode.items()}
-    extra = {d: _median(ms - ref for t, ms in points if (ref := base.prefill(d, t)))
+    extra = {d: _median((ms - ref for t, ms in points if (ref := base.prefill(d, t))), 0.0)
              for d, points in prefills.items() if len(points) >= MIN_PREFILLS}
     general = ratios.get(1) or _median(ratios.values())
     curves, decode_ms, said = {}, {}, []
