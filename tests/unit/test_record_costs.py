@@ -64,7 +64,7 @@ def test_a_degree_the_records_did_not_measure_is_scaled_as_the_measured_one_ran(
                                       2: Curve.of([(1, 8.0), (8, 14.0)], [(100, 30.0)])})
     # DP ran at twice the base's steps: the unmeasured group is taken to run so too
     recs = [_record(i, 10.0 * i, 0.1, [0.02] * 8, [0]) for i in range(6)]
-    costs, said = costs_from_records(recs, 2, base, frontend_ms=0.0, overlap=frozenset())
+    costs, said = costs_from_records(recs, 2, base, frontend_ms=0.0, overlap=False)
     assert costs.decode(1, 1) == pytest.approx(20.0)
     assert costs.decode(2, 1) == pytest.approx(16.0) and costs.decode(2, 8) == pytest.approx(28.0)
     assert costs.prefill(2, 100) == pytest.approx(60.0)

@@ -97,7 +97,7 @@ def load_profile(args: argparse.Namespace) -> profiles.Profile:
         records = load_records(args.steps_from_records)
         engines = args.engines or profile.max_engines
         costs, said = costs_from_records(records, engines, profile.costs, profile.frontend_ms,
-                                         frozenset({1}) if profile.overlap else frozenset())
+                                         profile.overlap)
         profile = replace(profile, costs=costs, source=f"{profile.source}; steps from "
                           f"{Path(args.steps_from_records).name} ({said})")
     return profile

@@ -61,13 +61,20 @@ MIN_PREFILLS = 4
 class Timeline:
     """One request's tokens on its unit: ``sent`` and ``times`` (s since the replay
     began: when it was sent; its first token, then one per gap), ``unit`` (the ranks
-    that served it) and ``degree``."""
+    that served it) and ``degree``; ``sglang_tp``: served by SGLang's own TP (the
+    record says nothing of Flying), whose steps run under the overlap loop as DP's do
+    (Flying's groups run the normal loop)."""
 
     record: RequestRecord
     sent: float
     unit: tuple[int, ...]
     degree: int
     times: tuple[float, ...]
+    sglang_tp: bool = False
+
+    def overlapped(self, overlap: bool) -> bool:
+        """Whether its steps ran under the overlap loop on a server that runs it."""
+        return overlap and (self.degree == 1 or self.sglang_tp)
 
     @property
     def first(self) -> float:
@@ -94,7 +101,7 @@ def timelines(records: Sequence[RequestRecord], engines: int) -> list[Timeline]:
         for gap in r.itl_s or ():
             t += gap
             times.append(t)
-        out.append(Timeline(r, sent, ranks, degree, tuple(times)))
+        out.append(Timeline(r, sent, ranks, degree, tuple(times), sglang_tp=not r.flying))
     return out
 
 
@@ -127,7 +134,7 @@ def decode_points(lines: Sequence[Timeline]) -> dict[int, list[tuple[float, floa
 
 
 def prefill_samples(lines: Sequence[Timeline], decode: dict[int, list[tuple[float, float]]],
-                    frontend_ms: float, overlap: frozenset[int]) -> dict[int, list[tuple[float, float]]]:
+                    frontend_ms: float, overlap: bool) -> dict[int, list[tuple[float, float]]]:
     """Per degree: (prompt tokens, ms of its prefill) of each request that found its
     unit idle (see the module docstring)."""
     samples: dict[int, list[tuple[float, float]]] = defaultdict(list)
@@ -135,7 +142,7 @@ def prefill_samples(lines: Sequence[Timeline], decode: dict[int, list[tuple[floa
         for line in unit_lines:
             if any(q is not line and q.sent <= line.sent <= q.last for q in unit_lines):
                 continue  # the unit was busy when it arrived
-            one = dict(decode.get(line.degree, ())).get(1.0, 0.0) if line.degree in overlap else 0.0
+            one = dict(decode.get(line.degree, ())).get(1.0, 0.0) if line.overlapped(overlap) else 0.0
             ms = line.record.ttft_s * 1e3 - frontend_ms - one
             if ms > 0:
                 samples[line.degree].append((float(line.record.prompt_len), ms))
@@ -143,11 +150,11 @@ def prefill_samples(lines: Sequence[Timeline], decode: dict[int, list[tuple[floa
 
 
 def costs_from_records(records: Sequence[RequestRecord], engines: int, base: Costs,
-                       frontend_ms: float, overlap: frozenset[int] = frozenset({1})) -> tuple[Costs, str]:
+                       frontend_ms: float, overlap: bool = True) -> tuple[Costs, str]:
     """``base`` with every degree the records measured replaced by what they show, the
     others scaled (module docstring); and a line saying what was measured, for the
-    report's header. ``overlap``: the degrees whose steps ran under SGLang's overlap
-    loop (DP engines; SGLang's own ``--tp-size``; not Flying's groups)."""
+    report's header. ``overlap``: the server ran SGLang's overlap loop (its DP engines
+    and its own ``--tp-size`` step under it, Flying's groups do not: ``Timeline``)."""
     lines = timelines(records, engines)
     decode = decode_points(lines)
     prefills = prefill_samples(lines, decode, frontend_ms, overlap)

@@ -213,9 +213,8 @@ def compare_run(run_dir: Path, decision_log: str | None = None, kv_heads: int = 
         name, cfg = settings(system, engines, head)
         own = profile
         if steps == "records":  # this server's own steps, from its client's token times
-            under_overlap = frozenset({1, engines} if system == "static-tp" else {1})
             costs, said = costs_from_records(records, engines, profile.costs, frontend_ms,
-                                             under_overlap if overlap else frozenset())
+                                             overlap)
             own = replace(profile, costs=costs)
             notes.append(f"{system}'s steps from its records: {said}")
         result = simulate(trace_of(records), own, engines, policy_settings(name, cfg),
