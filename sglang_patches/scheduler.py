@@ -13,7 +13,9 @@ runtime object (``flying.session.engine.FlyingEngine``), which calls the origina
 - ``run_batch`` / ``process_batch_result`` (around): contain a TP step's failure.
 - ``maybe_sleep_on_idle`` (around): SGLang's idle sleep (``--sleep-on-idle``: a poll of
   its sockets up to 1 s) only when Flying holds no work for the engine either: a bind
-  it took off the socket, input deferred, a session or a parked request.
+  it took off the socket, input deferred, a session or a parked request; before it
+  sleeps, the next bind's KV reservation and scope are made ready
+  (``flying.session.standby``).
 - ``init_req_max_new_tokens`` (around): note a request that came without a bound of
   its own (it may outgrow the engine into a group: ``flying.session.upgrade``).
 """
@@ -58,8 +60,10 @@ def process_batch_result(original, scheduler, batch, result, *args, **kwargs):
 
 def maybe_sleep_on_idle(original, scheduler, *args, **kwargs):
     engine = get_engine()
-    if engine is not None and engine.holds_work:
-        return None
+    if engine is not None:
+        if engine.holds_work:
+            return None
+        engine.before_sleep(scheduler)
     return original(scheduler, *args, **kwargs)
 
 

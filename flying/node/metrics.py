@@ -135,6 +135,8 @@ class FlyingCollector:
             key: CounterMetricFamily(f"flying_{key}", help_, labels=["engine"])
             for key, help_ in (
                 ("binds", "TP group binds an engine joined"),
+                ("standby_binds", "binds that took a KV reservation and scope made ready "
+                 "before an idle sleep"),
                 ("releases", "TP group releases"),
                 ("aborted_binds", "binds aborted by the bounded handshake"),
                 ("preempted_dp_requests", "DP requests paused (KV kept) by a TP session"),

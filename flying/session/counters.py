@@ -13,6 +13,9 @@ class EngineCounters:
     binds: int = 0
     releases: int = 0
     aborted_binds: int = 0
+    #: binds that took a reservation and scope made ready before an idle sleep
+    #: (``flying.session.standby``)
+    standby_binds: int = 0
     faulted_sessions: int = 0
     client_aborts: int = 0
     rerun_in_dp: int = 0

@@ -35,7 +35,7 @@ import logging
 import time
 from collections import deque
 
-from flying.session import move, status, tp_scope, upgrade
+from flying.session import move, standby, status, tp_scope, upgrade
 from flying.session.aborts import AbortBook
 from flying.session.counters import EngineCounters
 from flying.session.drain import Drain, nothing_running
@@ -95,6 +95,11 @@ class FlyingEngine(Lifecycle, Drain):
         self.parked = None
         #: degree -> the objects a group of that degree needs, built at start-up
         self.prepared: dict[int, tp_scope.Prepared] = {}
+        #: a bind's reservation and scope made ready before an idle sleep
+        #: (``flying.session.standby``), and the (degree, tokens) of the last bind
+        #: here, which the next standby is made for
+        self.standby: standby.Standby | None = None
+        self.want: tuple[int, int] | None = None
         self.aborts = AbortBook()
         self.faults = FaultSwitch(pool.store if pool else None, dp_rank)
         self._merged_for = ""  # the bind that waited one DP step (``_merge_first``)
@@ -117,6 +122,12 @@ class FlyingEngine(Lifecycle, Drain):
         this work is no longer on them)."""
         return bool(self.pending or self.deferred or self.session is not None
                     or self.parked is not None)
+
+    def before_sleep(self, scheduler) -> None:
+        """SGLang's idle sleep is next (``--sleep-on-idle``; it holds no work): make the
+        next bind's reservation and scope ready while this process is warm."""
+        if getattr(scheduler, "idle_sleeper", None) is not None:
+            standby.take(self, scheduler)
 
     @property
     def in_dp_state(self) -> bool:
@@ -161,6 +172,8 @@ class FlyingEngine(Lifecycle, Drain):
                 s.batch = None
                 s.to(State.YIELDED)
         reqs = [r for r in recv_reqs if not self.on_input(r)]
+        if self.standby is not None and not self.pending:  # woken by no bind
+            standby.drop(self, scheduler)
         if self.deferred:
             reqs, self.deferred = [*self.deferred, *reqs], []
         return reqs
@@ -182,6 +195,8 @@ class FlyingEngine(Lifecycle, Drain):
             self.result.process(scheduler)
         self.watch.check(scheduler)
         plan = self._next_batch(scheduler, original)
+        if self.standby is not None:  # the bind did not start here (or took none)
+            standby.drop(self, scheduler)
         self.result.formed(scheduler)
         s = self.session
         if s is not None and s.scope.entered:

@@ -19,6 +19,7 @@ from flying.session import (
     move,
     regroup,
     report,
+    standby,
     tp_scope,
     upgrade,
 )
@@ -38,24 +39,33 @@ class Lifecycle:
     """Binding, running and releasing group sessions (mixed into ``FlyingEngine``)."""
 
 
-    def _vote(self, scheduler, bind: Bind):
-        """(reservation or None, vote): "" if this member can serve the bind."""
+    def _vote(self, scheduler, bind: Bind, is_leader: bool):
+        """(reservation or None, vote, scope or None): vote "" if this member can serve
+        the bind; the scope is a standby's, opened before the bind came."""
         self.faults.refresh()
         try:
             self.faults.check("bind")
             if self.aborts.hits(bind.rid):
-                return None, "request aborted by the client"
+                return None, "request aborted by the client", None
             if bind.degree not in self.prepared:
-                return None, f"engine {self.dp_rank} has no TP-{bind.degree} views"
+                return None, f"engine {self.dp_rank} has no TP-{bind.degree} views", None
             # An upgrade's request reserves what it joins with (``upgrade.gather``);
             # the session itself starts from one slot per member.
             per_slot = self.prepared[bind.degree].per_slot
-            tokens = per_slot if bind.upgrade else admission.tokens_needed(bind, self.dp_limit)
+            if bind.upgrade:
+                tokens = per_slot
+            else:
+                tokens = admission.tokens_needed(bind, self.dp_limit)
+                self.want = (bind.degree, tokens)
+                ready = standby.claim(self, scheduler, bind.degree, tokens, is_leader)
+                if ready is not None:
+                    self.counters.standby_binds += 1
+                    return ready.reservation, "", ready.scope
             reservation = tp_scope.reserve_for(scheduler, tokens, per_slot)
         except Exception as exc:  # noqa: BLE001 - any failure is this member's "no"
             logger.exception("flying: engine %d cannot join bind %s", self.dp_rank, bind.bind_id)
-            return None, f"engine {self.dp_rank} failed to prepare: {exc}"
-        return reservation, "" if reservation is not None else "member lacks KV capacity"
+            return None, f"engine {self.dp_rank} failed to prepare: {exc}", None
+        return reservation, "" if reservation is not None else "member lacks KV capacity", None
 
     def _open_early(self, scheduler, bind: Bind, reservation, is_leader: bool):
         """The session's scope, opened between announcing and concluding the handshake
@@ -81,10 +91,11 @@ class Lifecycle:
         self.draining = False
         t0 = time.perf_counter()
         is_leader = self.dp_rank == bind.ranks[0]
-        reservation, vote = self._vote(scheduler, bind)
+        reservation, vote, scope = self._vote(scheduler, bind, is_leader)
         t_vote = time.perf_counter()
         ticket = self.pool.announce(bind.bind_id, bind.degree, vote)
-        scope = self._open_early(scheduler, bind, reservation, is_leader)  # peers arrive meanwhile
+        if scope is None:  # no standby: open it while the peers arrive
+            scope = self._open_early(scheduler, bind, reservation, is_leader)
         t_open = time.perf_counter()
         verdict = self.pool.conclude(ticket, self.bind_timeout_s)
         if self.preempt == "soft":  # every member is past its drain wait now

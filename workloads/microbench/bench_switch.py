@@ -119,6 +119,7 @@ def run(
                 if vanilla is not None:
                     vanilla_lat.append(_post(vanilla.url + "/generate", _payload(ids, new))[1])
                 dp_lat.append(_post(flying.url + "/generate", _payload(ids, new))[1])
+            totals = _get(flying.url + "/flying/status")["totals"]
         finally:
             if vanilla is not None:
                 vanilla.stop()
@@ -139,6 +140,8 @@ def run(
         *(f"| - {label} | {_ms(split[key])} |" for key, label in PARTS.items() if key in split),
         f"| **bind -> first group step (rendezvous + scope)** | **{_ms(bind)}** "
         f"({statistics.mean(bind) * 1e3:.2f} mean) |",
+        f"| binds (members) that found their reservation and scope ready "
+        f"(``flying.session.standby``) | {totals.get('standby_binds', 0)} of {totals['binds']} |",
         f"| request in a Flying TP-{engines} group (e2e, incl. bind + release) | {_ms(tp_lat)} |",
         f"| same request on vanilla SGLang --tp-size {engines} | {_ms(vanilla_lat)} |",
         f"| same request on one engine (Flying, DP mode) | {_ms(dp_lat)} |",
