@@ -144,6 +144,8 @@ def test_kv_slots_return_to_initial_count(dp2_server):
         assert e["mode"] == "dp"
         assert e["free_kv_slots"] == e["total_kv_slots"] == MAX_TOTAL_TOKENS, e
     assert doc["totals"]["binds"] == doc["totals"]["releases"] > 0
+    # binds after the first found their reservation and scope made ready at idle
+    assert doc["totals"]["standby_binds"] > 0, doc["totals"]
 
 
 def test_prometheus_series_next_to_sglangs(dp2_server):
