@@ -580,22 +580,48 @@ def test_controller_hook_contains_any_failure(cfg, monkeypatch):
     assert calls[-1] is odd
 
 
-def test_controller_hook_sends_leader_last_and_falls_back(cfg, monkeypatch):
-    from sglang.srt.managers import io_struct
+class _Sock:
+    """An engine's socket as the controller hook uses it: ``send(bytes)``; ``recv`` gives
+    the last bytes back, so SGLang's own ``sock_recv`` decodes what was sent."""
+
+    def __init__(self, name: str, log: list, fail: bool = False):
+        self.name, self.log, self.fail = name, log, fail
+
+    def send(self, data: bytes, flags: int = 0) -> None:
+        if self.fail:
+            raise OSError("socket gone")
+        self.log.append((self.name, data))
+        self.last = data
+
+    def recv(self, flags: int = 0) -> bytes:
+        return self.last
+
+    def recv_pyobj(self, flags: int = 0):
+        import pickle
+
+        return pickle.loads(self.last)
+
+
+def _sockets(ctl, sent: list, fail: bool = False) -> None:
+    ctl.workers = [_Sock(f"sock{i}", sent, fail) for i in range(len(ctl.workers))]
+
+
+def test_controller_hook_sends_leader_last_and_falls_back(cfg):
+    from sglang.srt.managers.io_struct import sock_recv, unwrap_from_pickle
 
     from sglang_patches import data_parallel_controller as hook
 
     ctl = FakeController()
-    sent = []
-    monkeypatch.setattr(io_struct, "sock_send", lambda sock, obj: sent.append(sock))
+    sent: list = []
+    _sockets(ctl, sent)
     dp = []
     hook.dispatching_with_trace(lambda c, r: dp.append(r), ctl, _tok(routing_key=messages.mark(None, 2)))
-    assert sent == ["sock1", "sock0"] and dp == []
+    assert [name for name, _ in sent] == ["sock1", "sock0"] and dp == []
+    assert sent[0][1] == sent[1][1]  # one encoding for every member
+    bind = unwrap_from_pickle(sock_recv(ctl.workers[0]))
+    assert bind.degree == 2 and bind.ranks == (0, 1)
 
-    def failing(sock, obj):
-        raise OSError("socket gone")
-
-    monkeypatch.setattr(io_struct, "sock_send", failing)
+    _sockets(ctl, sent, fail=True)
     req = _tok(routing_key=messages.mark(None, 2))
     hook.dispatching_with_trace(lambda c, r: dp.append(r), ctl, req)
     assert dp == [req]
@@ -616,22 +642,21 @@ def test_dispatcher_sees_aborts(cfg):
 
 
 @pytest.mark.parametrize("holder", [0, 1])
-def test_an_engines_upgrade_ask_becomes_binds_for_its_group(cfg, monkeypatch, holder):
+def test_an_engines_upgrade_ask_becomes_binds_for_its_group(cfg, holder):
     """An engine's Upgrade (pickled, as engines send it) never reaches SGLang's
     dispatcher: it becomes one bind per member of the holder's group, leader last."""
-    from sglang.srt.managers import io_struct
-    from sglang.srt.managers.io_struct import PickleWrapper, unwrap_from_pickle, wrap_as_pickle
+    from sglang.srt.managers.io_struct import sock_recv, unwrap_from_pickle, wrap_as_pickle
 
     from sglang_patches import data_parallel_controller as hook
 
     ctl = FakeController()
     sent: list = []
-    monkeypatch.setattr(io_struct, "sock_send", lambda sock, obj: sent.append((sock, obj)))
+    _sockets(ctl, sent)
     seen: list = []
     ask = messages.Upgrade("long-1", holder, 0.0)
     hook._FlyingDispatcher(ctl, seen.append)(wrap_as_pickle(ask))
-    assert seen == [] and [sock for sock, _ in sent] == ["sock1", "sock0"]
-    binds = [unwrap_from_pickle(obj) if isinstance(obj, PickleWrapper) else obj for _, obj in sent]
+    assert seen == [] and [name for name, _ in sent] == ["sock1", "sock0"]
+    binds = [unwrap_from_pickle(sock_recv(sock)) for sock in ctl.workers]
     assert {b.bind_id for b in binds} == {binds[0].bind_id}
     bind = binds[0]
     assert bind.req is None and bind.upgrade == ask and bind.rid == "long-1"
