@@ -138,7 +138,7 @@ def run(
         f"| bind: rendezvous (vote, open the scope, bounded handshake) | {_ms(split['rendezvous_ms'])} |",
         f"| bind: mode-scope setup (joining requests, enter the prepared views) | {_ms(split['scope_setup_ms'])} |",
         *(f"| - {label} | {_ms(split[key])} |" for key, label in PARTS.items() if key in split),
-        f"| **bind -> first group step (rendezvous + scope)** | **{_ms(bind)}** "
+        f"| **bind -> first group step (rendezvous + scope)** | **{statistics.median(bind) * 1e3:.2f}** "
         f"({statistics.mean(bind) * 1e3:.2f} mean) |",
         f"| binds (members) that found their reservation and scope ready "
         f"(``flying.session.standby``) | {totals.get('standby_binds', 0)} of {totals['binds']} |",
