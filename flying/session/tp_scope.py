@@ -202,7 +202,7 @@ def prepare(scheduler, member) -> Prepared:
     cache, allocator = scheduler.tree_cache, scheduler.token_to_kv_pool_allocator
     refs = _references(scheduler, {id(cache): "cache", id(allocator): "allocator"})
     return Prepared(
-        degree, layer_toggle(shards, member.all_reduce), tp_pool, backend,
+        degree, layer_toggle(shards, member.all_reduce, runner.model), tp_pool, backend,
         [(h, n) for h, n, kind in refs if kind == "cache"],
         [(h, n) for h, n, kind in refs if kind == "allocator"],
         _pool_size_holders(scheduler),

@@ -18,7 +18,10 @@ rank r computes with *views* of those tensors; nothing is copied or reloaded:
 The mode switch is per module *instance* (an instance attribute ``forward`` shadows the
 class's), held by ``layer_toggle()`` (built once per degree, entered for TP steps and
 left for DP steps; ``tp_layers()`` is the context-manager form that always restores in
-``finally``). DP mode is therefore the untouched SGLang code path, with zero overhead.
+``finally``). In an engine those instances are copies of the decoder layers, swapped in
+as one attribute (``shadow_layers``), so entering costs one exchange whatever the depth
+and the original modules are never written. DP mode is therefore the untouched SGLang
+code path, with zero overhead.
 
 The installed forwards keep SGLang's call contract for those layers, so every family's
 model code calls them unchanged: column-parallel ``forward(input_)`` and row-parallel
@@ -46,6 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flying.substrate.layout import KvSplit
+from flying.substrate.shadow_layers import shadow
 from flying.substrate.toggle import Toggle, entered
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
@@ -285,38 +289,47 @@ class _RowView:
         return out, None
 
 
-def layer_toggle(table: ShardTable, reduce: AllReduce) -> Toggle:
+def layer_toggle(table: ShardTable, reduce: AllReduce, root: nn.Module | None = None) -> Toggle:
     """The toggle that runs the model's layers as TP rank ``table.rank`` of
     ``table.degree``: per-instance forwards (the views) and per-rank head counts.
-    Built once per degree; entering and leaving it is a few attribute writes per layer."""
+    Built once per degree. With the model's ``root``, the layers' TP copies swapped as
+    one attribute (``shadow_layers``: one exchange per enter, where the original objects
+    take ~11 per layer), unless the entries do not all lie under one layer list."""
+    entries = layer_entries(table, reduce)
+    one = shadow(root, entries) if root is not None else None
+    return Toggle([one] if one is not None else entries)
+
+
+def layer_entries(table: ShardTable, reduce: AllReduce) -> list[tuple[object, str, object]]:
+    """(object, attribute, TP value) for every module attribute the TP state changes."""
     m = table.degree
-    toggle = Toggle()
+    out: list[tuple[object, str, object]] = []
     for s in table.attention:
         a = s.module
-        toggle.add(a.qkv_proj, "forward", _QkvView(s))
-        toggle.add(a.o_proj, "forward", _RowView(s.o_w, s.o_b, reduce))
+        out.append((a.qkv_proj, "forward", _QkvView(s)))
+        out.append((a.o_proj, "forward", _RowView(s.o_w, s.o_b, reduce)))
         for name in ("num_heads", "q_size"):
-            toggle.add(a, name, getattr(a, name) // m)
+            out.append((a, name, getattr(a, name) // m))
         for name in ("num_kv_heads", "kv_size"):  # replicated heads: 1 per rank
-            toggle.add(a, name, getattr(a, name) // s.kv_shards)
-        toggle.add(a.attn, "tp_q_head_num", a.attn.tp_q_head_num // m)
+            out.append((a, name, getattr(a, name) // s.kv_shards))
+        out.append((a.attn, "tp_q_head_num", a.attn.tp_q_head_num // m))
         for name in ("tp_k_head_num", "tp_v_head_num"):
-            toggle.add(a.attn, name, getattr(a.attn, name) // s.kv_shards)
+            out.append((a.attn, name, getattr(a.attn, name) // s.kv_shards))
     for p in table.mlp:
         mod = p.module
-        toggle.add(mod.gate_up_proj, "forward", _GateUpView(p))
-        toggle.add(mod.down_proj, "forward", _RowView(p.down_w, None, reduce))
+        out.append((mod.gate_up_proj, "forward", _GateUpView(p)))
+        out.append((mod.down_proj, "forward", _RowView(p.down_w, None, reduce)))
         # Both bypass gate_up_proj / down_proj's forward with the full weights: the
         # fused dual GEMM (mode None = off) and the FP8 decode activation (which
         # would hand down_proj a quantized tuple; off unless the layer is FP8).
         if getattr(mod, "dual_gemm", None) is not None:
-            toggle.add(mod.dual_gemm, "mode", None)
+            out.append((mod.dual_gemm, "mode", None))
         if getattr(mod, "activation_quant", None) is not None:
-            toggle.add(mod.activation_quant, "enabled", False)
-    return toggle
+            out.append((mod.activation_quant, "enabled", False))
+    return out
 
 
-def tp_layers(table: ShardTable, reduce: AllReduce):
+def tp_layers(table: ShardTable, reduce: AllReduce, root: nn.Module | None = None):
     """Context manager: the layers as TP rank ``table.rank`` for the block, restored in
     ``finally`` (``layer_toggle`` entered once)."""
-    return entered(layer_toggle(table, reduce))
+    return entered(layer_toggle(table, reduce, root))

@@ -240,3 +240,50 @@ def test_sub_slots_and_reservation_roundtrip():
     assert kv_adaptor.reserve(alloc, tokens=13, m=2) is None  # 7 > 6 left
     kv_adaptor.release(alloc, res)
     assert sorted(alloc.free_list) == list(range(1, 11))
+
+
+def test_layer_copies_swap_as_one_entry_and_compute_what_the_entries_do():
+    """With the model's root, the TP state is one exchange (the layer list), its copies
+    compute exactly what the per-object entries compute, share every weight, and the
+    original modules are never written (DP mode stays SGLang's own objects)."""
+    from flying.substrate.toggle import entered
+    from flying.substrate.weight_views import layer_toggle
+
+    torch.manual_seed(3)
+    model = Model(bias=True)
+    model.layers.append(nn.ModuleDict({"a": Attention(True), "m": Mlp()}))
+    originals, x = model.layers, torch.randn(5, H)
+    attn_in = torch.randn(5, HEADS * D // 2)
+    for r in range(2):
+        table = build_shards(model, 2, r)
+        want = []
+        with tp_layers(table, reduce=lambda t: t):  # per-object entries: the reference
+            for layer in model.layers:
+                want.append((layer["a"].qkv_proj(x)[0], layer["a"].o_proj(attn_in)[0],
+                             layer["m"](x), layer["a"].q_size, layer["a"].attn.tp_k_head_num))
+        toggle = layer_toggle(table, lambda t: t, root=model)
+        assert len(toggle) == 1
+        with entered(toggle):
+            assert model.layers is not originals and len(model.layers) == 2
+            for i, layer in enumerate(model.layers):
+                a, orig = layer["a"], originals[i]["a"]
+                assert a is not orig and a.qkv_proj.weight is orig.qkv_proj.weight
+                assert orig.q_size == HEADS * D and "forward" not in vars(orig.qkv_proj)
+                assert orig.attn.tp_k_head_num == KV_HEADS
+                got = (a.qkv_proj(x)[0], a.o_proj(attn_in)[0], layer["m"](x), a.q_size,
+                       a.attn.tp_k_head_num)
+                for g, w in zip(got, want[i], strict=True):
+                    if isinstance(g, torch.Tensor):
+                        torch.testing.assert_close(g, w, rtol=0, atol=0)
+                    else:
+                        assert g == w
+        assert model.layers is originals
+
+
+def test_layer_copies_fall_back_to_entries_off_a_layer_list():
+    """Modules not under a ModuleList: the per-object entries, as before."""
+    from flying.substrate.weight_views import layer_toggle
+
+    model = nn.ModuleDict({"a": Attention(), "m": Mlp()})
+    toggle = layer_toggle(build_shards(model, 2, 0), lambda t: t, root=model)
+    assert len(toggle) > 1

@@ -73,6 +73,7 @@ def test_views_recompose_sglang_layers(report, family):
         assert max(diffs.values()) < 1e-4, (degree, diffs)
     assert got["views_share_storage"]
     assert got["restored"]
+    assert got["layer_copies"]
 
 
 # -- the child process ---------------------------------------------------------------
@@ -135,19 +136,24 @@ def _check_family(model_path: str) -> dict:
         full["o_proj"] = attn.o_proj(attn_out)[0]
         full["mlp"] = mlp(x, forward_batch=fb)
         before = (attn.q_size, attn.num_heads, attn.attn.tp_k_head_num, attn.num_kv_heads)
-        diffs, shared = {}, True
+        diffs, shared, copies = {}, True, True
         for m in DEGREES:
             parts = {"q": [], "k": [], "v": []}
             sums = {"o_proj": 0, "mlp": 0}
             for r in range(m):
                 table = build_shards(model, m, r)
                 shared = shared and all(shares_storage(v, f) for v, f in table.tensors())
-                with tp_layers(table, reduce=lambda t: t):
-                    for key, t in zip("qkv", _prepare(attn, positions, x), strict=True):
+                with tp_layers(table, reduce=lambda t: t, root=model):
+                    # the TP state's copies of the layers (``shadow_layers``), reached as
+                    # SGLang's forward reaches them
+                    tp_layer = model.model.layers[1]
+                    tp_attn, tp_mlp = tp_layer.self_attn, tp_layer.mlp
+                    copies = copies and tp_attn is not attn and tp_mlp is not mlp
+                    for key, t in zip("qkv", _prepare(tp_attn, positions, x), strict=True):
                         parts[key].append(t)
                     cols = attn_out.chunk(m, dim=-1)[r]
-                    sums["o_proj"] = sums["o_proj"] + attn.o_proj(cols)[0]
-                    sums["mlp"] = sums["mlp"] + mlp(x, forward_batch=fb)
+                    sums["o_proj"] = sums["o_proj"] + tp_attn.o_proj(cols)[0]
+                    sums["mlp"] = sums["mlp"] + tp_mlp(x, forward_batch=fb)
             split, d = KvSplit(before[3], m), attn.head_dim
             diffs[str(m)] = {
                 "q": float((torch.cat(parts["q"], dim=-1) - full["q"]).abs().max()),
@@ -166,6 +172,7 @@ def _check_family(model_path: str) -> dict:
         "bases": [c.__name__ for c in type(model).__mro__],
         "max_abs_diff": diffs,
         "views_share_storage": shared,
+        "layer_copies": copies,
         "restored": before == (attn.q_size, attn.num_heads, attn.attn.tp_k_head_num,
                                attn.num_kv_heads)
         and "forward" not in vars(attn.qkv_proj) and "forward" not in vars(mlp.down_proj),
