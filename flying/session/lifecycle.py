@@ -96,8 +96,16 @@ class Lifecycle:
         ticket = self.pool.announce(bind.bind_id, bind.degree, vote)
         if scope is None:  # no standby: open it while the peers arrive
             scope = self._open_early(scheduler, bind, reservation, is_leader)
+        dp_running = len(scheduler.running_batch.reqs)
+        if scope is not None and bind.upgrade is None and not move.allowed(self.move_to_dp, {bind.reason}):
+            scope.enter()  # no DP request joins (``join.gather``): enter while the peers arrive
         t_open = time.perf_counter()
-        verdict = self.pool.conclude(ticket, self.bind_timeout_s)
+        verdict = None
+        try:
+            verdict = self.pool.conclude(ticket, self.bind_timeout_s)
+        finally:
+            if scope is not None and (verdict is None or not verdict.go):
+                scope.leave()  # DP state again for the abort path (no-op if not entered)
         if self.preempt == "soft":  # every member is past its drain wait now
             self.pool.store.delete_key(drain_keys(bind)[bind.ranks.index(self.dp_rank)])
         t_rdv = time.perf_counter()
@@ -137,8 +145,9 @@ class Lifecycle:
             else:
                 joining = join.gather(self, scheduler, bind, member, is_leader, self.faults)
             s.t_join = time.perf_counter()
-            self.counters.preempted_dp_requests += len(scheduler.running_batch.reqs)
-            scope.enter()
+            self.counters.preempted_dp_requests += dp_running
+            if not scope.entered:
+                scope.enter()
             s.to(State.RUNNING)
             self.faults.check("scope")
             s.t_ready = time.perf_counter()  # switched: the rest is SGLang taking the request

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import hashlib
+import os
 import time
 from dataclasses import dataclass
 
@@ -45,10 +46,14 @@ _DECISION_TOKEN, _DECISION, _DECISION_SEQ = 5, 6, 7  # header words
 _YES, _NO = 1, 2
 _GO, _ABORT_BY = 1, 2
 
-#: Waiting for a shared word: spin this long, then sleep from the first to the longest
-#: sleep, doubling; past ``_PATIENT_S`` of waiting (a peer finishing a long step) up to
+#: Waiting for a shared word: spin this long, then yield the core (``sched_yield``: a
+#: runnable process on this core, such as the controller's I/O thread still delivering
+#: the leader's bind, runs first; otherwise the wait goes on at once, so a peer that
+#: arrives within ``_YIELD_S`` is seen within microseconds, where a sleep of the
+#: backoff saw it up to ~200 us late), then sleep from the first to the longest sleep,
+#: doubling; past ``_PATIENT_S`` of waiting (a peer finishing a long step) up to
 #: ``_LONG_SLEEP_S``, so the wait takes almost no core from the peer it waits for.
-_SPIN_S, _FIRST_SLEEP_S, _MAX_SLEEP_S = 50e-6, 20e-6, 200e-6
+_SPIN_S, _YIELD_S, _FIRST_SLEEP_S, _MAX_SLEEP_S = 50e-6, 1e-3, 20e-6, 200e-6
 _PATIENT_S, _LONG_SLEEP_S = 5e-3, 1e-3
 
 
@@ -238,11 +243,16 @@ def _heard(store, ticket: Ticket, timeout_s: float) -> Verdict | None:
 
 
 def _wait_until(ready, timeout_s: float) -> bool:
-    """Poll ``ready()``: spin briefly, then sleep with backoff; False after ``timeout_s``."""
+    """Poll ``ready()``: spin briefly, yield for up to ``_YIELD_S``, then sleep with
+    backoff; False after ``timeout_s``."""
     if ready():
         return True
     start = time.perf_counter()
     while time.perf_counter() - start < _SPIN_S:
+        if ready():
+            return True
+    while time.perf_counter() - start < min(_YIELD_S, timeout_s):
+        os.sched_yield()
         if ready():
             return True
     sleep = _FIRST_SLEEP_S

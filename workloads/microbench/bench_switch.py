@@ -77,7 +77,7 @@ def _ms(values: list[float]) -> str:
 PARTS = {
     "vote_ms": "vote (reserve this member's KV slot)",
     "handshake_ms": "handshake (every member at its step boundary, agree on go)",
-    "open_ms": "open the scope (TP allocator, toggles)",
+    "open_ms": "open the scope (TP allocator, toggles), and enter it when no DP request joins",
     "join_ms": "agree on joining DP requests",
     "enter_ms": "enter the TP state (scheduler, KV view, layers)",
 }
