@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from tests.models import CHECKPOINTS, ensure_model
-from workloads.measure.server import free_port
+from workloads.microbench.sglang_model import init_engine, load
 
 pytestmark = pytest.mark.unit
 
@@ -79,32 +79,6 @@ def test_views_recompose_sglang_layers(report, family):
 # -- the child process ---------------------------------------------------------------
 
 
-def _publish(model_path: str):
-    """Publish SGLang's config for one tp_size=1 engine on CPU (once per family)."""
-    from sglang.srt.runtime_context import SpawnRanks, publish
-    from sglang.srt.server_args import ServerArgs
-
-    args = ServerArgs(
-        model_path=model_path, device="cpu", dtype="float32",
-        attention_backend="torch_native",
-    )
-    publish(args, role="scheduler", ranks=SpawnRanks(world_rank=0, dp_rank=0, gpu_id=0))
-    return args
-
-
-def _load(model_path: str):
-    from sglang.srt.configs.device_config import DeviceConfig
-    from sglang.srt.configs.load_config import LoadConfig
-    from sglang.srt.configs.model_config import ModelConfig
-    from sglang.srt.model_loader import get_model
-
-    args = _publish(model_path)
-    return get_model(
-        model_config=ModelConfig.from_server_args(args),
-        load_config=LoadConfig(load_format="auto"), device_config=DeviceConfig("cpu", 0),
-    )
-
-
 def _prepare(attn, positions, x):
     """(q, k, v) as the family's attention forward computes them before attending."""
     prepare = getattr(attn, "forward_prepare_native", None)
@@ -122,7 +96,7 @@ def _check_family(model_path: str) -> dict:
     from flying.substrate.layout import KvSplit
     from flying.substrate.weight_views import build_shards, shares_storage, tp_layers
 
-    model = _load(model_path)
+    model = load(model_path)
     layer = model.model.layers[1]
     attn, mlp = layer.self_attn, layer.mlp
     gen = torch.Generator().manual_seed(0)
@@ -182,17 +156,7 @@ def _check_family(model_path: str) -> dict:
 def main(paths: dict[str, str]) -> None:
     import traceback
 
-    from sglang.srt.plugins import load_plugins
-
-    load_plugins()  # Flying's CPU platform and hooks, as in an engine
-    from sglang.srt.distributed.bootstrap import _init_parallel_groups
-
-    first = next(iter(paths.values()))
-    port = free_port()
-    _init_parallel_groups(
-        backend="gloo", dist_init_method=f"tcp://127.0.0.1:{port}",
-        server_args=_publish(first), gpu_id=0,
-    )
+    init_engine(next(iter(paths.values())))
     out = {}
     for name, path in paths.items():
         try:
