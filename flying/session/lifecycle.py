@@ -53,6 +53,7 @@ class Lifecycle:
             # the session itself starts from one slot per member.
             per_slot = self.prepared[bind.degree].per_slot
             if bind.upgrade:
+                standby.drop(self, scheduler)  # here, in the DP state
                 tokens = per_slot
             else:
                 tokens = admission.tokens_needed(bind, self.dp_limit)

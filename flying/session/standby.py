@@ -9,7 +9,7 @@ run SGLang's idle housekeeping, so it is warm), a bind that finds a standby that
 takes it and runs none of them.
 
 What is made: for the degree and size of this engine's last bind (``want``), the DP
-slots that size needs, taken from the allocator's free list only (no prefix is evicted,
+slots that size needs (a bind takes the standby only if it needs exactly as many), taken from the allocator's free list only (no prefix is evicted,
 no free list is merged), and the session's scope opened over them (not entered:
 ``open_scope`` touches nothing SGLang sees).
 
@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 @dataclasses.dataclass
 class Standby:
     degree: int
-    tokens: int  # TP tokens the reservation holds (its ``tp_slots`` count)
+    slots: int  # DP slots reserved (a bind takes the standby only if it needs as many)
     is_leader: bool
     reservation: kv_adaptor.Reservation
     scope: tp_scope.Scope
@@ -72,19 +72,23 @@ def take(engine, scheduler) -> None:
         engine.want = None  # do not retry on every sleep
         return
     engine.standby = Standby(
-        degree, int(reservation.tp_slots.numel()), is_leader, reservation, scope,
+        degree, -(-tokens // prepared.per_slot), is_leader, reservation, scope,
         free_before, free_after,
     )
 
 
 def claim(engine, scheduler, degree: int, tokens: int, is_leader: bool) -> Standby | None:
     """The standby, for a bind of ``degree`` needing ``tokens`` in which this engine
-    leads or not; None (and any other standby dropped) if there is none that fits.
-    The caller owns what it returns: the reservation and the opened scope."""
+    leads or not; None (and any other standby dropped, in the DP state) if there is
+    none that is exactly what the bind would reserve: a larger one would lend the
+    session slots it did not ask for, which the engine's DP requests and the requests
+    joining the session would then lack. The caller owns what it returns: the
+    reservation and the opened scope."""
     sb = engine.standby
     if sb is None:
         return None
-    if sb.degree != degree or sb.is_leader != is_leader or tokens > sb.tokens:
+    per_slot = sb.scope.prepared.per_slot
+    if sb.degree != degree or sb.is_leader != is_leader or -(-tokens // per_slot) != sb.slots:
         drop(engine, scheduler)
         return None
     engine.standby = None
@@ -98,7 +102,7 @@ def drop(engine, scheduler) -> None:
     if sb is None:
         return
     engine.standby = None
-    allocator = scheduler.token_to_kv_pool_allocator
+    allocator = sb.scope.dp_allocator  # the DP one, also when a session's TP state is entered
     if allocator.free_pages is sb.free_after:
         allocator.free_pages = sb.free_before
     else:
