@@ -5,13 +5,14 @@ right after the wake every torch op costs several times its warm cost. Reserving
 member's KV slots (``tp_scope.reserve_for``) and opening the session's scope
 (``tp_scope.open_scope``) were ~0.6 ms of the ~1 ms from a member's bind to its first
 group step, almost all of it such ops. Done just before the sleep (the engine has just
-run SGLang's idle housekeeping, so it is warm), a bind that finds a standby that fits
-takes it and runs none of them.
+run SGLang's idle housekeeping, so it is warm), a bind that needs exactly what the
+standby holds takes it and runs none of them.
 
 What is made: for the degree and size of this engine's last bind (``want``), the DP
-slots that size needs (a bind takes the standby only if it needs exactly as many), taken from the allocator's free list only (no prefix is evicted,
+slots that size needs, taken from the allocator's free list only (no prefix is evicted,
 no free list is merged), and the session's scope opened over them (not entered:
-``open_scope`` touches nothing SGLang sees).
+``open_scope`` touches nothing SGLang sees). A bind of another degree, role or size
+drops it (a larger standby would lend the session slots it did not ask for).
 
 Invariant: a standby exists only from SGLang's idle sleep to the end of the next step
 boundary. It is dropped at the next input unless a bind came with it, and at the end
@@ -54,11 +55,12 @@ def take(engine, scheduler) -> None:
     allocator = scheduler.token_to_kv_pool_allocator
     if prepared is None or (prepared.state is not None and prepared.state.entered):
         return
-    if -(-tokens // prepared.per_slot) > len(allocator.free_pages):
+    slots = -(-tokens // prepared.per_slot)
+    if slots > len(allocator.free_pages):
         return  # it would merge the free lists or evict cached prefixes: not at idle
+    free_before, reservation = allocator.free_pages, None
     try:
         member = engine.pool.member(degree)
-        free_before = allocator.free_pages
         reservation = kv_adaptor.reserve(allocator, tokens, prepared.per_slot)
         if reservation is None:
             return
@@ -67,14 +69,11 @@ def take(engine, scheduler) -> None:
         scope = tp_scope.open_scope(scheduler, prepared, member, reservation, is_leader, engine.faults)
     except Exception:  # noqa: BLE001 - a standby is an optimisation: binds open their own
         logger.exception("flying: engine %d: could not make a bind standby", engine.dp_rank)
-        if "reservation" in locals() and reservation is not None:
+        if reservation is not None:
             kv_adaptor.release(allocator, reservation)
         engine.want = None  # do not retry on every sleep
         return
-    engine.standby = Standby(
-        degree, -(-tokens // prepared.per_slot), is_leader, reservation, scope,
-        free_before, free_after,
-    )
+    engine.standby = Standby(degree, slots, is_leader, reservation, scope, free_before, free_after)
 
 
 def claim(engine, scheduler, degree: int, tokens: int, is_leader: bool) -> Standby | None:
