@@ -103,9 +103,17 @@ class SwitchCosts:
 
     bind_ms: float = 2.0  # bind -> first group step
     move_ms_per_ktok: float = 10.0  # moving running requests' KV between layouts
+    #: Fixed part of one relayout, whatever its size (GPU profiles: a gather and a write
+    #: per layer and buffer, launch-bound below a few thousand tokens); 0 where the
+    #: per-token figure was measured whole (the live node's moves).
+    move_ms: float = 0.0
+
+    def relayout(self, tokens: float) -> float:
+        """One relayout (move, join or upgrade) of ``tokens`` tokens of KV; 0 for none."""
+        return self.move_ms + self.move_ms_per_ktok * tokens / 1000.0 if tokens > 0 else 0.0
 
     def of(self, in_flight_tokens: float) -> float:
-        return self.bind_ms + self.move_ms_per_ktok * in_flight_tokens / 1000.0
+        return self.bind_ms + self.relayout(in_flight_tokens)
 
 
 @dataclass(frozen=True)

@@ -52,3 +52,32 @@ def test_cuda_kv_view_is_a_view():
     tp = kv_adaptor.view_pool(pool, 2)
     for view, full in zip(tp.k_buffer, pool.k_buffer, strict=True):
         assert view.is_cuda and shares_storage(view, full)
+
+
+@pytest.mark.parametrize("m", [2, 4])
+def test_cuda_layer_copies_recompose_the_layer_without_weight_memory(m):
+    """The TP state as one exchange of the layer list (``shadow_layers``) on CUDA bf16:
+    the ranks' copies share every weight with the originals, allocate no weight memory,
+    leave the originals untouched, and their partial outputs sum to the full layer."""
+    from flying.substrate.toggle import entered
+    from flying.substrate.weight_views import layer_toggle
+
+    torch.manual_seed(1)
+    model = Model(bias=True).to("cuda", torch.bfloat16)
+    originals = model.layers
+    x = torch.randn(7, H, device="cuda", dtype=torch.bfloat16)
+    full = originals[0]["m"](x).float()
+    before = torch.cuda.memory_allocated()
+    parts = []
+    for r in range(m):
+        toggle = layer_toggle(build_shards(model, m, r), lambda t: t, root=model)
+        assert len(toggle) == 1
+        with entered(toggle):
+            layer = model.layers[0]
+            assert model.layers is not originals
+            assert layer["m"].down_proj.weight is originals[0]["m"].down_proj.weight
+            parts.append(layer["m"](x).float())
+        assert model.layers is originals and "forward" not in vars(originals[0]["m"].down_proj)
+    total, scale = sum(parts), sum(p.abs() for p in parts) + full.abs()
+    assert ((total - full).abs() <= 4 * 2**-8 * scale + 1e-3).all()
+    assert torch.cuda.memory_allocated() - before < 1 << 20  # activations only

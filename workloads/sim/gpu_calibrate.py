@@ -28,6 +28,8 @@ from workloads.sim.profile import PROFILES_DIR
 
 #: Where the shipped measurements live (``gpu_measure``'s output files, by device).
 MEASURED_DIR = PROFILES_DIR / "gpu-shard-steps"
+#: ``gpu_relayout``'s output files, by device.
+RELAYOUT_DIR = PROFILES_DIR / "gpu-relayout"
 
 
 @dataclass(frozen=True)
@@ -61,3 +63,19 @@ def calibrated(formula: Callable[[int], float], points: dict[int, float], x: int
     if x >= hi:
         return formula(x) * points[hi] / formula(hi)
     return interpolate(tuple((float(b), points[b]) for b in xs), x)
+
+
+def relayout_fit(path: str | Path, model: str) -> tuple[str, float, float]:
+    """The device, and ``(fixed ms, ms per 1k tokens)`` of one GPU's side of a move to DP
+    for ``model`` ("Llama-3-8B" matches the file's "llama3-8b"): the least-squares line
+    through the measured sizes of every degree, of this code's relayout ("current")."""
+    doc = json.loads(Path(path).read_text())
+    key = model.lower().replace("-", "")
+    pts = [(r["tokens"] / 1000.0, r["ms"]) for r in doc["rows"]
+           if r["model"].replace("-", "") == key and r["direction"] == "to_dp"
+           and r.get("impl", "current") == "current"]
+    if len({x for x, _ in pts}) < 2:
+        raise ValueError(f"{path}: fewer than two sizes measured for {model}")
+    n, sx, sy = len(pts), sum(x for x, _ in pts), sum(y for _, y in pts)
+    slope = (n * sum(x * y for x, y in pts) - sx * sy) / (n * sum(x * x for x, _ in pts) - sx * sx)
+    return doc["device"], (sy - slope * sx) / n, slope

@@ -18,7 +18,9 @@ engines of ``g`` GPUs each: ``n = m g``):
   formula ``latency + 2 (n-1)/n x bytes / bus bandwidth`` of ``tokens x hidden x 2``
   bytes, over NVLink at its per-direction bandwidth times an efficiency;
 - KV tokens per engine: ``(g x HBM x mem fraction - weights) / KV bytes per token``;
-- a move to DP per 1k tokens of context: the KV bytes of 1k tokens over NVLink.
+- a move to DP per 1k tokens of context: the KV bytes of 1k tokens over NVLink (the
+  measured profiles add one GPU's gather and write, timed with Flying's relayout code:
+  a fixed part per move and a part per 1k tokens).
 
 ``python -m workloads.sim.gpu_profile [--out DIR]`` writes the profiles shipped in
 ``workloads/sim/profiles/`` (every constant with its source, every assumption
@@ -35,7 +37,14 @@ from pathlib import Path
 from flying.substrate.layout import allowed_degrees
 from scheduler.costs import Costs, Curve
 from scheduler.layout_choice import SwitchCosts
-from workloads.sim.gpu_calibrate import MEASURED_DIR, Measured, calibrated, load_measured
+from workloads.sim.gpu_calibrate import (
+    MEASURED_DIR,
+    RELAYOUT_DIR,
+    Measured,
+    calibrated,
+    load_measured,
+    relayout_fit,
+)
 from workloads.sim.profile import PROFILES_DIR, Profile
 
 #: GPUs on one node (an HGX H100 / H200 board).
@@ -235,6 +244,7 @@ def build(name: str, gpu: Gpu, model: Model, a: Assumed = Assumed(),
                                [(x, round(y, 4)) for x, y in c.prefill])
                    for m, c in curves.items()})
     move = 1000 * model.kv_bytes_per_token / (gpu.nvlink_bw / 2 * a.nvlink_efficiency) * 1000
+    move_fixed = 0.0
     constants = {
         "gpu": {**{k: v for k, v in asdict(gpu).items() if k != "source"},
                 "units": "bytes, bytes/s, FLOP/s", "source": gpu.source},
@@ -267,11 +277,19 @@ def build(name: str, gpu: Gpu, model: Model, a: Assumed = Assumed(),
                       "(PyTorch kernels with CUDA graphs for decode, not SGLang's), in place "
                       "of max(memory, compute) and the efficiencies above; all-reduces and "
                       "the step overhead still modelled"}
+        where, move_fixed, slope = relayout_fit(RELAYOUT_DIR / RELAYOUT_FILE, model.name)
+        move += slope
+        constants["relayout"] = {
+            "value": {"move_ms": round(move_fixed, 4), "ms_per_ktok": round(slope, 4)},
+            "source": f"gpu-relayout/{RELAYOUT_FILE}: Flying's kv_relayout gather and "
+                      f"write timed on one {where} by workloads.sim.gpu_relayout (a line "
+                      "through 1k and 4k tokens at TP-2/4/8; launch-bound: the fixed part is "
+                      "a gather and a write per layer and buffer), added to the NVLink term"}
         first = (f"simulated: one GPU's kernels measured on a {device}, all-reduces over "
                  "NVLink and the scheduler's overhead modelled; Flying's groups have never "
                  "run on a GPU")
     return Profile(
-        name=name, costs=costs, switch=SwitchCosts(a.bind_ms, round(move, 4)),
+        name=name, costs=costs, switch=SwitchCosts(a.bind_ms, round(move, 4), round(move_fixed, 4)),
         kv_tokens=kv_tokens, degrees=degrees, max_engines=engines,
         context_len=model.context, kv_heads=model.kv_heads, heads=model.heads,
         chunk_tokens=CHUNK, max_running=max_running, overlap=False, frontend_ms=0.0,
@@ -289,6 +307,10 @@ def build(name: str, gpu: Gpu, model: Model, a: Assumed = Assumed(),
         ),
     )
 
+
+#: The relayout measurement the measured profiles use (``RELAYOUT_DIR``): an H200's; on
+#: the H100 the same launch-bound kernels are assumed to cost the same.
+RELAYOUT_FILE = "h200.json"
 
 #: name -> (GPU, model, measured kernels file in ``MEASURED_DIR`` or None).
 PROFILES: dict[str, tuple[Gpu, Model, str | None]] = {

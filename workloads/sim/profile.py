@@ -123,7 +123,8 @@ class Profile:
             "max_running_requests": self.max_running,
             "overlap": self.overlap, "frontend_ms": self.frontend_ms,
             "switch": {"bind_ms": self.switch.bind_ms,
-                       "move_ms_per_ktok": self.switch.move_ms_per_ktok},
+                       "move_ms_per_ktok": self.switch.move_ms_per_ktok,
+                       "move_ms": self.switch.move_ms},
             "costs": self.costs.to_json(),
             "constants": self.constants, "assumptions": list(self.assumptions),
         }

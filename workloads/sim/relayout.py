@@ -17,8 +17,9 @@ Each follows the engine code it models (``flying.session.lifecycle``, ``admissio
   running DP requests join with their KV, as many as every member can reserve;
 - move (a session that may move, DP requests arrived at a member during it, every
   request decoding; ``node`` keeps the marks): the requests go to DP on the members by
-  ``assign``; refused, it retries ``RETRY_STEPS`` group steps later. A move costs the profile's ``move_ms_per_ktok``
-  per 1k tokens of context, during which the members run nothing.
+  ``assign``; refused, it retries ``RETRY_STEPS`` group steps later. A move costs the
+  profile's ``move_ms`` plus ``move_ms_per_ktok`` per 1k tokens of context, during which
+  the members run nothing.
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ def _take_upgrade(node: SimNode, s: Session, bind: Bind) -> bool:
     req.slots, req.where, req.moved = need, s, f"joined a TP-{bind.degree} group: long context"
     s.server.running.append(req)
     s.reasons.add(bind.reason)
-    s.extra_ms += node.switch.move_ms_per_ktok * req.kv_len / 1000.0
+    s.extra_ms += node.switch.relayout(req.kv_len)
     node.counters["upgrades"] += 1
     return True
 
@@ -159,7 +160,7 @@ def join(node: SimNode, s: Session) -> None:
     rooms = [m.free() for m in s.members]
     reserved = [reservable(budgets, room, s.per_slot) for room in rooms]
     k = joinable(reserved)
-    ms = node.switch.move_ms_per_ktok * sum(lens[:k]) / 1000.0
+    ms = node.switch.relayout(sum(lens[:k]))
     for m, room, n in zip(s.members, rooms, reserved, strict=True):
         doc = {**_about(s, m.rank), "lens": lens, "budgets": budgets, "per_slot": s.per_slot,
                "room": room, "reserved": n, "joined": k}
@@ -196,7 +197,7 @@ def move(node: SimNode, s: Session) -> bool:
     if owners is None:
         _write(node, "move", {**_about(s, s.members[0].rank), **decision})
         return False
-    ms = node.switch.move_ms_per_ktok * sum(lens) / 1000.0
+    ms = node.switch.relayout(sum(lens))
     s.server.running = []
     for req, owner in zip(reqs, owners, strict=True):
         m = s.members[owner]
