@@ -83,8 +83,8 @@ def test_relayout_fit_is_the_line_through_the_measured_moves(tmp_path):
 def test_measured_profiles_charge_a_move_the_measured_relayout_plus_nvlink(name):
     """The shipped measured profile's move: the fitted relayout's fixed part, and its
     per-1k part on top of the NVLink term of the first-principles profile."""
-    _, model, _ = gpu_profile.PROFILES[name]
-    _, fixed, per_k = relayout_fit(RELAYOUT_DIR / gpu_profile.RELAYOUT_FILE, model.name)
+    _, model, measured = gpu_profile.PROFILES[name]
+    _, fixed, per_k = relayout_fit(RELAYOUT_DIR / measured, model.name)
     switch = load(name).switch
     first_principles = load(name.removesuffix("-measured")).switch
     assert switch.move_ms == pytest.approx(fixed, abs=1e-3) and fixed > 0

@@ -277,11 +277,11 @@ def build(name: str, gpu: Gpu, model: Model, a: Assumed = Assumed(),
                       "(PyTorch kernels with CUDA graphs for decode, not SGLang's), in place "
                       "of max(memory, compute) and the efficiencies above; all-reduces and "
                       "the step overhead still modelled"}
-        where, move_fixed, slope = relayout_fit(RELAYOUT_DIR / RELAYOUT_FILE, model.name)
+        where, move_fixed, slope = relayout_fit(RELAYOUT_DIR / measured, model.name)
         move += slope
         constants["relayout"] = {
             "value": {"move_ms": round(move_fixed, 4), "ms_per_ktok": round(slope, 4)},
-            "source": f"gpu-relayout/{RELAYOUT_FILE}: Flying's kv_relayout gather and "
+            "source": f"gpu-relayout/{measured}: Flying's kv_relayout gather and "
                       f"write timed on one {where} by workloads.sim.gpu_relayout (a line "
                       "through 1k and 4k tokens at TP-2/4/8; launch-bound: the fixed part is "
                       "a gather and a write per layer and buffer), added to the NVLink term"}
@@ -308,11 +308,8 @@ def build(name: str, gpu: Gpu, model: Model, a: Assumed = Assumed(),
     )
 
 
-#: The relayout measurement the measured profiles use (``RELAYOUT_DIR``): an H200's; on
-#: the H100 the same launch-bound kernels are assumed to cost the same.
-RELAYOUT_FILE = "h200.json"
-
-#: name -> (GPU, model, measured kernels file in ``MEASURED_DIR`` or None).
+#: name -> (GPU, model, measured file or None: its kernels in ``MEASURED_DIR``, its
+#: relayout in ``RELAYOUT_DIR``, by the same name).
 PROFILES: dict[str, tuple[Gpu, Model, str | None]] = {
     "h100-llama3-8b": (H100_SXM, LLAMA3_8B, None),
     "h200-llama3-8b": (H200, LLAMA3_8B, None),
