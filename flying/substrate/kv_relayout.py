@@ -26,27 +26,69 @@ import torch
 
 from flying.substrate.layout import KvSplit
 
+#: A CPU copy of at most this many runs of consecutive slots goes as slice copies: a
+#: slice copies whole rows at memory speed, an indexed copy costs ~0.5 us a row on the
+#: CPU host (a move of 1k tokens on an 8-layer model: ~16k rows). SGLang's allocator
+#: hands out sorted free slots, so a request's rows are usually a few runs.
+MAX_RUNS = 16
+
+Rows = torch.Tensor | list[tuple[slice, slice]]
+
+
+def rows_of(slots: torch.Tensor, device: torch.device) -> Rows:
+    """``slots`` as (pool rows, block rows) slice pairs, one per run of consecutive
+    slots, on a CPU with at most ``MAX_RUNS`` runs; otherwise the int64 index tensor."""
+    idx = slots.to(device, torch.int64)
+    if idx.is_cuda or idx.numel() == 0:
+        return idx
+    breaks = torch.nonzero(idx[1:] - idx[:-1] != 1).view(-1)
+    if breaks.numel() >= MAX_RUNS:
+        return idx
+    starts = [0, *(breaks + 1).tolist()]
+    ends = [*starts[1:], idx.numel()]
+    firsts = idx[starts].tolist()
+    return [(slice(f, f + e - b), slice(b, e)) for f, b, e in zip(firsts, starts, ends, strict=True)]
+
+
+def _get(buf: torch.Tensor, rows: Rows, out: torch.Tensor) -> None:
+    """``out`` (contiguous) = the rows of ``buf``."""
+    if isinstance(rows, torch.Tensor):
+        torch.index_select(buf, 0, rows, out=out)
+        return
+    for pool_rows, block_rows in rows:
+        out[block_rows].copy_(buf[pool_rows])
+
+
+def _put(buf: torch.Tensor, rows: Rows, src: torch.Tensor) -> None:
+    """The rows of ``buf`` (a view of a pool buffer: written through) = ``src``."""
+    src = src.to(buf.dtype)
+    if isinstance(rows, torch.Tensor):
+        buf[rows] = src
+        return
+    for pool_rows, block_rows in rows:
+        buf[pool_rows].copy_(src[block_rows])
+
 
 def read_block(pool, slots: torch.Tensor) -> torch.Tensor:
     """The K and V rows of ``slots`` in ``pool`` (a DP pool or a TP view of one):
-    ``[layers, 2, n, heads, d]``, a copy. One gather per buffer, straight into the block
-    (SGLang keeps one buffer per layer, so no single gather spans the layers)."""
+    ``[layers, 2, n, heads, d]``, a copy, written straight into the block (SGLang keeps
+    one buffer per layer, so no single gather spans the layers)."""
     k0 = pool.k_buffer[0]
-    idx = slots.to(k0.device, torch.int64)
-    out = torch.empty(len(pool.k_buffer), 2, idx.numel(), *k0.shape[1:], dtype=k0.dtype,
+    rows = rows_of(slots, k0.device)
+    out = torch.empty(len(pool.k_buffer), 2, slots.numel(), *k0.shape[1:], dtype=k0.dtype,
                       device=k0.device)
     for layer, (k, v) in enumerate(zip(pool.k_buffer, pool.v_buffer, strict=True)):
-        torch.index_select(k, 0, idx, out=out[layer, 0])
-        torch.index_select(v, 0, idx, out=out[layer, 1])
+        _get(k, rows, out[layer, 0])
+        _get(v, rows, out[layer, 1])
     return out
 
 
 def write_block(pool, slots: torch.Tensor, block: torch.Tensor) -> None:
     """Write ``block`` (``[layers, 2, n, heads, d]``, heads = the pool's) into ``slots``."""
-    idx = slots.to(pool.k_buffer[0].device, torch.int64)
+    rows = rows_of(slots, pool.k_buffer[0].device)
     for layer, (k, v) in enumerate(zip(pool.k_buffer, pool.v_buffer, strict=True)):
-        k[idx] = block[layer, 0].to(k.dtype)
-        v[idx] = block[layer, 1].to(v.dtype)
+        _put(k, rows, block[layer, 0])
+        _put(v, rows, block[layer, 1])
 
 
 def write_shards(pool, slots: torch.Tensor, shards: list[torch.Tensor],
@@ -60,20 +102,21 @@ def write_shards(pool, slots: torch.Tensor, shards: list[torch.Tensor],
     the joined block (two copies of every byte fewer: ~10 ms per 16 MiB on this CPU).
     On CUDA it builds it: one concatenation and two writes a layer launch fewer kernels
     than ``2 x shards`` strided writes a layer, and the extra copy runs at HBM speed."""
-    idx = slots.to(pool.k_buffer[0].device, torch.int64)
-    if idx.is_cuda:
+    device = pool.k_buffer[0].device
+    if device.type == "cuda":
         block = join_shards(shards)
-        write_block(pool, idx, block if tokens is None else block[:, :, tokens])
+        write_block(pool, slots, block if tokens is None else block[:, :, tokens])
         return
     h = shards[0].shape[3]
     if h * len(shards) != pool.k_buffer[0].shape[1]:
         raise ValueError(f"{len(shards)} shards of {h} heads do not make the pool's rows")
+    rows = rows_of(slots, device)
     for layer, (k, v) in enumerate(zip(pool.k_buffer, pool.v_buffer, strict=True)):
         for r, shard in enumerate(shards):
             heads = slice(r * h, (r + 1) * h)
             kv = shard[layer] if tokens is None else shard[layer][:, tokens]
-            k[idx, heads] = kv[0].to(k.dtype)
-            v[idx, heads] = kv[1].to(v.dtype)
+            _put(k[:, heads], rows, kv[0])
+            _put(v[:, heads], rows, kv[1])
 
 
 def distinct(shards: list[torch.Tensor], split: KvSplit) -> list[torch.Tensor]:
@@ -97,23 +140,26 @@ def shard_of(block: torch.Tensor, shard: int, shards: int) -> torch.Tensor:
 
 
 def exchange(member, block: torch.Tensor) -> list[torch.Tensor]:
-    """Every member's ``block`` (same shape and dtype on all), in TP-rank order.
+    """Every member's ``block`` (same shape and dtype on all), in TP-rank order; this
+    member's own entry is ``block`` itself.
 
-    Over shared memory the block goes in chunks of at most the segment's slot size
-    (one all-gather each); over gloo, one all-gather.
+    Over shared memory the block goes in chunks of at most the segment's slot size, each
+    peer's chunk copied out of the segment straight into its block (one copy in, one
+    out per peer); over gloo, one all-gather.
     """
     flat = block.contiguous().view(-1)
     world = member.group.degree
     shm = member.shm
     if shm is not None and flat.is_cpu:
+        me = member.tp_rank
+        outs = [flat if r == me else torch.empty_like(flat) for r in range(world)]
         per = max(1, shm.slot_bytes // flat.element_size())
-        parts: list[list[torch.Tensor]] = [[] for _ in range(world)]
         for start in range(0, flat.numel(), per):
-            chunk = flat[start : start + per]
-            got = shm.all_gather(chunk.unsqueeze(0), dim=0)  # [world, c]
+            views = shm.exchange(flat[start : start + per])
             for r in range(world):
-                parts[r].append(got[r])
-        return [torch.cat(p).view(block.shape) for p in parts]
+                if r != me:
+                    outs[r][start : start + views[r].numel()].copy_(views[r])
+        return [o.view(block.shape) for o in outs]
     outs = [torch.empty_like(flat) for _ in range(world)]
     member.pg.allgather([outs], [flat]).wait()
     return [o.view(block.shape) for o in outs]

@@ -316,6 +316,14 @@ class ShmAllReduce:
             t.copy_(acc)
         return t
 
+    def exchange(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Every member's ``t`` (same shape and dtype on all; at most ``slot_bytes``), in
+        rank order, as views of the segment: read them before this member's next call
+        (a peer overwrites a slot only after this member has published the next one)."""
+        views = self._exchange(t)
+        self.calls_gather += 1
+        return views
+
     def all_gather(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Concatenate every member's ``t`` along ``dim``, in rank order (a new tensor).
 

@@ -14,6 +14,14 @@ from flying.substrate.layout import KvSplit
 
 pytestmark = pytest.mark.unit
 
+
+@pytest.fixture(autouse=True, params=["runs", "index"])
+def copy_path(request, monkeypatch):
+    """Every test on both CPU copy paths: slices of runs of slots, and indexed copies."""
+    if request.param == "index":
+        monkeypatch.setattr(kv_relayout, "MAX_RUNS", 0)
+    return request.param
+
 LAYERS, ROWS, HEADS, DIM = 3, 32, 4, 8
 
 
@@ -187,3 +195,23 @@ def test_a_dp_step_is_held_only_for_the_kv_a_session_reserved():
     # short even with the session's slots back: SGLang retracts, as without Flying
     assert not holds_dp(*_engine(0, False, 3, [2]))
     assert not holds_dp(*_engine(0, False, 1, []))
+
+
+def test_rows_of_cuts_slots_into_runs_and_falls_back_to_an_index(monkeypatch):
+    """Consecutive slots become slice pairs (pool rows, block rows); past MAX_RUNS runs,
+    the index tensor; both paths write the same rows."""
+    monkeypatch.setattr(kv_relayout, "MAX_RUNS", 16)
+    rows = kv_relayout.rows_of(torch.tensor([4, 5, 6, 10, 11, 2]), torch.device("cpu"))
+    assert rows == [(slice(4, 7), slice(0, 3)), (slice(10, 12), slice(3, 5)),
+                    (slice(2, 3), slice(5, 6))]
+    slots = torch.tensor([7, 8, 9, 1, 12])
+    block = kv_relayout.read_block(_pool(seed=5), torch.tensor([3, 0, 17, 8, 9]))
+    by_runs, by_index = _pool(seed=6), _pool(seed=6)
+    kv_relayout.write_block(by_runs, slots, block)
+    monkeypatch.setattr(kv_relayout, "MAX_RUNS", 0)
+    assert isinstance(kv_relayout.rows_of(slots, torch.device("cpu")), torch.Tensor)
+    kv_relayout.write_block(by_index, slots, block)
+    assert torch.equal(kv_relayout.read_block(by_index, slots), block)
+    for a, b in zip(by_runs.k_buffer + by_runs.v_buffer, by_index.k_buffer + by_index.v_buffer,
+                    strict=True):
+        assert torch.equal(a, b)

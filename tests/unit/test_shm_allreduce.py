@@ -133,6 +133,20 @@ def _sums_and_sequence(rank: int, world: int, pg) -> dict:
         want = torch.cat([torch.full((3, 5), float(r)) + torch.arange(15.0).view(3, 5)
                           for r in range(world)], dim=dim)
         assert torch.equal(out, want)
+    # The KV relayout's exchange: a block of three slots and a bit goes in chunks, each
+    # peer's straight into its own block; this member's entry is its block, not a copy.
+    from types import SimpleNamespace
+
+    from flying.substrate import kv_relayout
+
+    member = SimpleNamespace(group=SimpleNamespace(degree=world), tp_rank=rank, shm=comm, pg=pg)
+    n = 3 * SLOT // 4 + 5
+    block = torch.arange(n, dtype=torch.float32).view(1, n) + 1000 * rank
+    blocks = kv_relayout.exchange(member, block)
+    assert blocks[rank].data_ptr() == block.data_ptr()
+    for r, got in enumerate(blocks):
+        assert got.shape == block.shape
+        assert torch.equal(got, torch.arange(n, dtype=torch.float32).view(1, n) + 1000 * r)
     # Hundreds of back-to-back calls with jitter: a reused slot must never be read stale.
     rng = random.Random(rank)
     for i in range(400):
