@@ -59,7 +59,6 @@ class Joining:
     shard: torch.Tensor | None  # this member's heads: [layers, 2, sum(lens), H_kv/f, d]
     reservations: list = field(default_factory=list)
     t_agreed: float = 0.0  # perf_counter when the members agreed on the joining requests
-    t_carried: float = 0.0  # perf_counter when this member held its shard (``carry``)
     #: the source's copy of every head (``[layers, 2, sum(lens), H_kv, d]``): what a
     #: failed join puts back into DP; None on the other members
     full: torch.Tensor | None = None
@@ -79,6 +78,7 @@ class Joining:
     #: an upgrade's request (it outgrew its engine or group: ``upgrade``, ``regroup``),
     #: not the leader's DP requests joining a forming session
     upgrade: bool = False
+    t_carried: float = 0.0  # perf_counter when this member held its shard (``carry``)
 
 
 def eligible(req, seq_len: int) -> bool:
@@ -257,6 +257,7 @@ def restore(scheduler, joining: Joining) -> None:
 
         regroup.finish(scheduler, reqs)
         return
+    slots = None
     try:
         for req in reqs:
             if req.kv.holds_kv:
@@ -267,6 +268,8 @@ def restore(scheduler, joining: Joining) -> None:
         logger.warning("flying: a join failed; %d request(s) went on in DP", len(reqs))
     except Exception as exc:  # noqa: BLE001 - the last resort is an explicit answer
         logger.exception("flying: requests of a failed join could not go back to DP")
+        if slots is not None:  # not merged: nothing else will free them (SGLang's leak check)
+            scheduler.token_to_kv_pool_allocator.free(slots)
         abort(scheduler, reqs, f"moving into a TP group failed: {exc}")
 
 

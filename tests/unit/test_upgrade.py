@@ -195,6 +195,32 @@ def test_each_member_gets_its_heads_from_whichever_member_holds_the_request(monk
         assert torch.equal(got[rank], kv_relayout.shard_of(block, split.shard(rank), split.shards))
 
 
+def test_a_join_that_cannot_go_back_to_dp_frees_its_slots_and_answers(monkeypatch):
+    """The last resort of a failed join (``join.restore``): when even putting the
+    requests back into DP fails after it took DP slots, the slots go back to the
+    allocator (else SGLang's leak check stops the engine) and every request gets an
+    explicit error."""
+    freed, aborted = [], []
+    slots = torch.arange(7)
+    sched = SimpleNamespace(
+        req_to_token_pool=SimpleNamespace(free=lambda req: None),
+        token_to_kv_pool_allocator=SimpleNamespace(free=freed.append),
+        tp_worker=SimpleNamespace(model_runner=SimpleNamespace(token_to_kv_pool=None)),
+    )
+    monkeypatch.setattr(join.tp_scope, "take_dp_slots", lambda scheduler, tokens: slots)
+
+    def broken(*args):
+        raise RuntimeError("write failed")
+
+    monkeypatch.setattr(join, "_place", broken)
+    monkeypatch.setattr(join, "abort", lambda scheduler, reqs, message: aborted.append((reqs, message)))
+    req = SimpleNamespace(kv=SimpleNamespace(holds_kv=False), sampling_params=SimpleNamespace(max_new_tokens=9))
+    joining = join.Joining([req], [7], None, [], 0.0, torch.zeros(1), source=True)
+    join.restore(sched, joining)
+    assert len(freed) == 1 and freed[0] is slots
+    assert aborted and aborted[0][0] == [req] and "write failed" in aborted[0][1]
+
+
 def _session(ranks=(0, 1), leader=True, growable=("a",)):
     bind = Bind("e" * 12, len(ranks), ranks, SimpleNamespace(rid="s"), 0.0)
     return SimpleNamespace(bind=bind, is_leader=leader, growable=set(growable))
