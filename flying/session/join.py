@@ -15,7 +15,7 @@ bind's rendezvous, in its DP state, and
    the requests' state (the ``Req``, pickled without its tokenizer and locks) and the
    KV to the members;
 3. in the session's TP state (``land``) every member takes a request row and TP slots,
-   writes its own head shard of each token (``kv_relayout.shard_of``; a replicated
+   writes its own head shard of each token (``kv_relayout.shard_view``; a replicated
    head is written by each of its ranks), and adds the
    requests to the session's running batch as a decode batch whose next input is each
    request's last token (SGLang's ``FutureMap`` relay, as for any decode step).
@@ -78,6 +78,7 @@ class Joining:
     #: an upgrade's request (it outgrew its engine or group: ``upgrade``, ``regroup``),
     #: not the leader's DP requests joining a forming session
     upgrade: bool = False
+    t_carried: float = 0.0  # perf_counter when this member held its shard (``carry``)
 
 
 def eligible(req, seq_len: int) -> bool:
@@ -197,6 +198,7 @@ def carry(member, scheduler, joining: Joining, payload: bytes, degree: int, src:
         joining.shard = _scatter(member, joining.full, scheduler, sum(joining.lens), degree, src)
         if not joining.source:
             joining.reqs = _copies(scheduler, payload)
+        joining.t_carried = time.perf_counter()
     except BaseException:
         for res in joining.reservations:
             kv_adaptor.release(scheduler.token_to_kv_pool_allocator, res)
@@ -255,6 +257,7 @@ def restore(scheduler, joining: Joining) -> None:
 
         regroup.finish(scheduler, reqs)
         return
+    slots = None
     try:
         for req in reqs:
             if req.kv.holds_kv:
@@ -265,6 +268,8 @@ def restore(scheduler, joining: Joining) -> None:
         logger.warning("flying: a join failed; %d request(s) went on in DP", len(reqs))
     except Exception as exc:  # noqa: BLE001 - the last resort is an explicit answer
         logger.exception("flying: requests of a failed join could not go back to DP")
+        if slots is not None:  # not merged: nothing else will free them (SGLang's leak check)
+            scheduler.token_to_kv_pool_allocator.free(slots)
         abort(scheduler, reqs, f"moving into a TP group failed: {exc}")
 
 
@@ -363,32 +368,31 @@ def _copies(scheduler, payload: bytes) -> list:
 def _broadcast_bytes(member, data: bytes, src: int = 0) -> bytes:
     """TP rank ``src``'s ``data`` on every member (its length first, then the bytes)."""
     size = member.gather_ints([len(data)])[src][0]
-    buf = torch.zeros(size, dtype=torch.uint8)
-    if data:
-        buf[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    return kv_relayout.exchange(member, buf)[src].numpy().tobytes()
+    if member.tp_rank == src:
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
+    else:
+        buf = torch.empty(size, dtype=torch.uint8, device="meta")
+    return kv_relayout.broadcast(member, buf, src).numpy().tobytes()
 
 
 def _scatter(member, block, scheduler, tokens: int, degree: int, src: int = 0) -> torch.Tensor:
     """This member's head shard of the source's full block ``[layers, 2, tokens, H_kv, d]``
-    (``block`` is None off the source, TP rank ``src``). The source keeps its own shard
-    and sends, in one exchange, one copy of each shard another member holds (``_needed``:
-    every other rank's without replication; with H_kv < degree each head once, even if
-    it lives on several ranks); the other members send zeros of that shape."""
+    (``block`` is None off the source, TP rank ``src``). The source keeps its own shard (a
+    view of ``block``) and broadcasts, stacked, one copy of each shard another member
+    holds (``_needed``: every other rank's without replication; with H_kv < degree each
+    head once, even if it lives on several ranks); each member copies out only its own."""
     if member.tp_rank == src:
         split = KvSplit(block.shape[3], degree)
-        needed = _needed(split, src)
-        sent = torch.cat([kv_relayout.shard_of(block, j, split.shards) for j in needed], dim=3)
-        kv_relayout.exchange(member, sent)
-        return kv_relayout.shard_of(block, split.shard(src), split.shards)
+        sent = torch.stack([kv_relayout.shard_view(block, j, split.shards) for j in _needed(split, src)])
+        kv_relayout.broadcast(member, sent, src)
+        return kv_relayout.shard_view(block, split.shard(src), split.shards)
     pool = scheduler.tp_worker.model_runner.token_to_kv_pool  # the DP pool (DP state)
     heads, dim = pool.k_buffer[0].shape[1:]
     split = KvSplit(heads, degree)
-    needed, h = _needed(split, src), split.heads_per_rank
-    shape = (len(pool.k_buffer), 2, tokens, len(needed) * h, dim)
-    got = kv_relayout.exchange(member, torch.zeros(shape, dtype=pool.k_buffer[0].dtype))[src]
-    at = needed.index(split.shard(member.tp_rank))
-    return got[:, :, :, at * h : (at + 1) * h].contiguous()
+    needed = _needed(split, src)
+    shape = (len(needed), len(pool.k_buffer), 2, tokens, split.heads_per_rank, dim)
+    sent = torch.empty(shape, dtype=pool.k_buffer[0].dtype, device="meta")
+    return kv_relayout.broadcast(member, sent, src, part=needed.index(split.shard(member.tp_rank)))
 
 
 def _needed(split: KvSplit, src: int) -> list[int]:

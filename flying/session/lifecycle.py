@@ -333,6 +333,7 @@ class Lifecycle:
         if joining.log is not None:
             layout_log.write("upgrade_join" if joining.upgrade else "join", {
                 **joining.log, "ms": round(ms, 3), "tokens": sum(joining.lens),
+                "carry_ms": round((joining.t_carried - joining.t_agreed) * 1e3, 3),
                 "kv_bytes": layout_log.kv_bytes(joining.shard),
             })
         logger.info(

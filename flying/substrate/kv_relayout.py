@@ -131,12 +131,17 @@ def join_shards(shards: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(shards, dim=3)
 
 
-def shard_of(block: torch.Tensor, shard: int, shards: int) -> torch.Tensor:
+def shard_view(block: torch.Tensor, shard: int, shards: int) -> torch.Tensor:
     """Head group ``shard`` of ``shards`` equal groups of a full block:
-    ``[layers, 2, n, H_kv/shards, d]`` (a rank's is ``KvSplit.shard(rank)`` of
+    ``[layers, 2, n, H_kv/shards, d]``, a view (a rank's is ``KvSplit.shard(rank)`` of
     ``KvSplit.shards``; without replication, rank r's is group r of m)."""
     h = block.shape[3] // shards
-    return block[:, :, :, shard * h : (shard + 1) * h].contiguous()
+    return block[:, :, :, shard * h : (shard + 1) * h]
+
+
+def shard_of(block: torch.Tensor, shard: int, shards: int) -> torch.Tensor:
+    """``shard_view`` as a contiguous copy."""
+    return shard_view(block, shard, shards).contiguous()
 
 
 def exchange(member, block: torch.Tensor) -> list[torch.Tensor]:
@@ -163,6 +168,44 @@ def exchange(member, block: torch.Tensor) -> list[torch.Tensor]:
     outs = [torch.empty_like(flat) for _ in range(world)]
     member.pg.allgather([outs], [flat]).wait()
     return [o.view(block.shape) for o in outs]
+
+
+def broadcast(member, block: torch.Tensor, src: int, part: int | None = None) -> torch.Tensor:
+    """TP rank ``src``'s ``block`` on every member (same shape and dtype on all; off
+    ``src`` it may be a ``meta`` tensor: only its shape and dtype are used). With
+    ``part``, only ``block[part]`` (a piece along the first dim) is copied out on this
+    member and returned. On ``src`` the result is ``block`` (or its piece) itself.
+
+    Over shared memory the block goes in chunks of the segment's slot size; only the
+    source copies in, and each member copies out only the bytes of its piece (a scatter
+    moves each byte once in and once out). Over gloo, one broadcast of the whole block.
+    """
+    piece = (lambda t: t) if part is None else (lambda t: t[part])
+    shm, numel = member.shm, block.numel()
+    if member.tp_rank == src:
+        flat = block.contiguous().view(-1)
+        if shm is None:  # decided alike on every member: off the source, the block is meta
+            member.pg.broadcast(flat, src).wait()
+        else:
+            per = max(1, shm.slot_bytes // flat.element_size())
+            for start in range(0, numel, per):
+                shm.broadcast(flat[start : start + per], src)
+        return piece(flat.view(block.shape))
+    if shm is None:
+        flat = torch.empty(numel, dtype=block.dtype)
+        member.pg.broadcast(flat, src).wait()
+        return piece(flat.view(block.shape))
+    out = torch.empty(block.shape if part is None else block.shape[1:], dtype=block.dtype)
+    lo = 0 if part is None else part * out.numel()
+    hi, flat_out = lo + out.numel(), out.view(-1)
+    per = max(1, shm.slot_bytes // out.element_size())
+    for start in range(0, numel, per):
+        n = min(per, numel - start)
+        view = shm.broadcast(torch.empty(n, dtype=block.dtype, device="meta"), src)
+        a, b = max(start, lo), min(start + n, hi)
+        if a < b:
+            flat_out[a - lo : b - lo].copy_(view[a - start : b - start])
+    return out
 
 
 def block_bytes(layers: int, tokens: int, heads: int, head_dim: int, itemsize: int) -> int:

@@ -279,15 +279,17 @@ class ShmAllReduce:
             self._views_cache[key] = views
         return views
 
-    def _exchange(self, t: torch.Tensor) -> list[torch.Tensor]:
-        """Steps 1-3 of the protocol; returns the W slots to read (rank order)."""
+    def _exchange(self, t: torch.Tensor, write: bool = True) -> list[torch.Tensor]:
+        """Steps 1-3 of the protocol; returns the W slots to read (rank order). Without
+        ``write`` this member publishes without copying ``t`` in (its slot is not read)."""
         if self.broken is not None:
             raise ShmAllReduceError(f"flying: {self.label}: group is unusable: {self.broken}")
         if self._header[_POISON_WORD]:
             self._fail(-1, self._seq + 1, "the group was poisoned by a member's fault")
         seq = self._seq + 1
         views = self._views(seq & 1, t)
-        views[self.rank].copy_(t)
+        if write:
+            views[self.rank].copy_(t)
         self._seq_col[self.rank] = seq  # publish (after the copy: x86 store order)
         self._seq = seq
         col = self._seq_col
@@ -323,6 +325,16 @@ class ShmAllReduce:
         views = self._exchange(t)
         self.calls_gather += 1
         return views
+
+    def broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
+        """Rank ``src``'s ``t`` as a view of the segment (at most ``slot_bytes``; read it
+        before this member's next call). Every member passes a tensor of the same shape
+        and dtype; only ``src`` copies its bytes in, so the others may pass a ``meta``
+        tensor. The same protocol as ``exchange`` (every member publishes and waits for
+        every peer), one copy in instead of W."""
+        view = self._exchange(t, write=self.rank == src)[src]
+        self.calls_gather += 1
+        return view
 
     def all_gather(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Concatenate every member's ``t`` along ``dim``, in rank order (a new tensor).

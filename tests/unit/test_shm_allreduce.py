@@ -147,6 +147,20 @@ def _sums_and_sequence(rank: int, world: int, pg) -> dict:
     for r, got in enumerate(blocks):
         assert got.shape == block.shape
         assert torch.equal(got, torch.arange(n, dtype=torch.float32).view(1, n) + 1000 * r)
+    # A broadcast: only the source copies in; every member gets the source's bytes.
+    src = world - 1
+    t = torch.arange(10.0) + 100 * rank if rank == src else torch.empty(10, device="meta")
+    assert torch.equal(comm.broadcast(t, src), torch.arange(10.0) + 100 * src)
+    # The KV relayout's broadcast and scatter: several chunks, a piece per member, on
+    # the shared path and over gloo (no segment), the source's result its own block.
+    for shm in (comm, None):
+        member = SimpleNamespace(group=SimpleNamespace(degree=world), tp_rank=rank, shm=shm, pg=pg)
+        whole = torch.arange(world * n, dtype=torch.float32).view(world, 1, n)
+        sent = whole if rank == src else torch.empty(whole.shape, device="meta")
+        got = kv_relayout.broadcast(member, sent, src)
+        assert torch.equal(got, whole) and (rank != src or got.data_ptr() == whole.data_ptr())
+        piece = kv_relayout.broadcast(member, sent, src, part=rank)
+        assert piece.shape == (1, n) and torch.equal(piece, whole[rank])
     # Hundreds of back-to-back calls with jitter: a reused slot must never be read stale.
     rng = random.Random(rank)
     for i in range(400):

@@ -18,6 +18,7 @@ from flying.session.budget import ADMISSION_SLACK
 from flying.session.counters import EngineCounters
 from flying.session.messages import Bind, Upgrade
 from flying.substrate import kv_relayout
+from flying.substrate.layout import KvSplit
 from scheduler.policy import Node, Policy, PolicyConfig
 
 pytestmark = pytest.mark.unit
@@ -155,26 +156,27 @@ def test_an_upgrade_bind_is_offered_alone_to_a_running_session_of_its_group():
     assert up.rid == "long" and after.rid == "y"
 
 
-class _AllGather:
-    """``kv_relayout.exchange`` over threads: every member's block, in TP-rank order."""
+class _Broadcast:
+    """``kv_relayout.broadcast`` over threads: the source's block (or its piece)."""
 
     def __init__(self, world: int):
         self.barrier = threading.Barrier(world)
-        self.blocks: list = [None] * world
+        self.block = None
 
-    def __call__(self, member, block):
-        self.blocks[member.tp_rank] = block.clone()
+    def __call__(self, member, block, src, part=None):
+        if member.tp_rank == src:
+            self.block = block.clone()
         self.barrier.wait()
-        out = list(self.blocks)
+        out = (self.block if part is None else self.block[part]).clone()
         self.barrier.wait()
         return out
 
 
-@pytest.mark.parametrize(("degree", "src"), [(2, 0), (2, 1), (4, 2), (4, 3)])
-def test_each_member_gets_its_heads_from_whichever_member_holds_the_request(monkeypatch, degree, src):
-    layers, tokens, heads, dim = 2, 5, 8, 3
+@pytest.mark.parametrize(("degree", "src", "heads"), [(2, 0, 8), (2, 1, 8), (4, 2, 8), (4, 3, 8), (4, 1, 2)])
+def test_each_member_gets_its_heads_from_whichever_member_holds_the_request(monkeypatch, degree, src, heads):
+    layers, tokens, dim = 2, 5, 3
     block = torch.randn(layers, 2, tokens, heads, dim)
-    monkeypatch.setattr(kv_relayout, "exchange", _AllGather(degree))
+    monkeypatch.setattr(kv_relayout, "broadcast", _Broadcast(degree))
     pool = SimpleNamespace(k_buffer=[torch.zeros(16, heads, dim)] * layers)
     sched = SimpleNamespace(tp_worker=SimpleNamespace(model_runner=SimpleNamespace(token_to_kv_pool=pool)))
     got: dict[int, torch.Tensor] = {}
@@ -189,7 +191,34 @@ def test_each_member_gets_its_heads_from_whichever_member_holds_the_request(monk
     for t in threads:
         t.join(timeout=30)
     for rank in range(degree):
-        assert torch.equal(got[rank], kv_relayout.shard_of(block, rank, degree))
+        split = KvSplit(heads, degree)  # with 2 heads on 4 ranks each head lives on 2
+        assert torch.equal(got[rank], kv_relayout.shard_of(block, split.shard(rank), split.shards))
+
+
+def test_a_join_that_cannot_go_back_to_dp_frees_its_slots_and_answers(monkeypatch):
+    """The last resort of a failed join (``join.restore``): when even putting the
+    requests back into DP fails after it took DP slots, the slots go back to the
+    allocator (else SGLang's leak check stops the engine) and every request gets an
+    explicit error."""
+    freed, aborted = [], []
+    slots = torch.arange(7)
+    sched = SimpleNamespace(
+        req_to_token_pool=SimpleNamespace(free=lambda req: None),
+        token_to_kv_pool_allocator=SimpleNamespace(free=freed.append),
+        tp_worker=SimpleNamespace(model_runner=SimpleNamespace(token_to_kv_pool=None)),
+    )
+    monkeypatch.setattr(join.tp_scope, "take_dp_slots", lambda scheduler, tokens: slots)
+
+    def broken(*args):
+        raise RuntimeError("write failed")
+
+    monkeypatch.setattr(join, "_place", broken)
+    monkeypatch.setattr(join, "abort", lambda scheduler, reqs, message: aborted.append((reqs, message)))
+    req = SimpleNamespace(kv=SimpleNamespace(holds_kv=False), sampling_params=SimpleNamespace(max_new_tokens=9))
+    joining = join.Joining([req], [7], None, [], 0.0, torch.zeros(1), source=True)
+    join.restore(sched, joining)
+    assert len(freed) == 1 and freed[0] is slots
+    assert aborted and aborted[0][0] == [req] and "write failed" in aborted[0][1]
 
 
 def _session(ranks=(0, 1), leader=True, growable=("a",)):
