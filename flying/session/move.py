@@ -199,8 +199,12 @@ def _land(scheduler, scope, batch, reqs, lens, shards: list[torch.Tensor],
     running batch."""
     scope.release_all()  # their TP sub-slots are read: the reserved rows are free again
     slots = tp_scope.take_dp_slots(scheduler, sum(lens))
-    distinct = kv_relayout.distinct(shards, scope.prepared.split)
-    kv_relayout.write_shards(scope.dp_pool, slots, distinct, tokens)
+    try:
+        kv_relayout.write_shards(scope.dp_pool, slots, kv_relayout.distinct(shards, scope.prepared.split),
+                                 tokens)
+    except BaseException:  # no request points at them: nothing else would free them
+        scheduler.token_to_kv_pool_allocator.free(slots)
+        raise
     rehome(scheduler, reqs, lens, slots)
     batch.token_to_kv_pool_allocator = scheduler.token_to_kv_pool_allocator
     batch.tree_cache = scheduler.tree_cache

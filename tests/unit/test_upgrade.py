@@ -221,6 +221,27 @@ def test_a_join_that_cannot_go_back_to_dp_frees_its_slots_and_answers(monkeypatc
     assert aborted and aborted[0][0] == [req] and "write failed" in aborted[0][1]
 
 
+def test_a_move_to_dp_whose_write_fails_frees_the_dp_slots_it_took(monkeypatch):
+    """``move._land``: DP slots taken for moved requests go back to the allocator when
+    writing their rows fails (the error then ends the session, as any fault does)."""
+    from flying.session import move
+
+    freed = []
+    slots = torch.arange(5)
+    sched = SimpleNamespace(token_to_kv_pool_allocator=SimpleNamespace(free=freed.append))
+    scope = SimpleNamespace(release_all=lambda: None, dp_pool=None,
+                            prepared=SimpleNamespace(split=KvSplit(8, 2)))
+    monkeypatch.setattr(move.tp_scope, "take_dp_slots", lambda scheduler, tokens: slots)
+
+    def broken(*args):
+        raise RuntimeError("write failed")
+
+    monkeypatch.setattr(kv_relayout, "write_shards", broken)
+    with pytest.raises(RuntimeError, match="write failed"):
+        move._land(sched, scope, None, [object()], [5], [torch.zeros(1), torch.zeros(1)], None)
+    assert len(freed) == 1 and freed[0] is slots
+
+
 def _session(ranks=(0, 1), leader=True, growable=("a",)):
     bind = Bind("e" * 12, len(ranks), ranks, SimpleNamespace(rid="s"), 0.0)
     return SimpleNamespace(bind=bind, is_leader=leader, growable=set(growable))
