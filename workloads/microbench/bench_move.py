@@ -56,12 +56,18 @@ def _generate(server, ids: list[int], new: int, headers: dict | None = None, **e
     r.raise_for_status()
 
 
+#: Seconds between status polls. Each poll costs the HTTP server CPU that the engines'
+#: two cores would otherwise have during the move it waits for; the move's cost is
+#: timed in the server, so a coarser poll loses nothing.
+POLL_S = 0.1
+
+
 def _wait(cond, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while not cond():
         if time.monotonic() > deadline:
             return False
-        time.sleep(0.02)
+        time.sleep(POLL_S)
     return True
 
 
