@@ -174,7 +174,8 @@ def broadcast(member, block: torch.Tensor, src: int, part: int | None = None) ->
     """TP rank ``src``'s ``block`` on every member (same shape and dtype on all; off
     ``src`` it may be a ``meta`` tensor: only its shape and dtype are used). With
     ``part``, only ``block[part]`` (a piece along the first dim) is copied out on this
-    member and returned. On ``src`` the result is ``block`` (or its piece) itself.
+    member and returned. On ``src`` the result is ``block`` (or its piece) itself when
+    ``block`` is contiguous.
 
     Over shared memory the block goes in chunks of the segment's slot size; only the
     source copies in, and each member copies out only the bytes of its piece (a scatter
