@@ -20,9 +20,11 @@ keeps or changes its layout:
   request-milliseconds. A switch between two layouts with groups also waits for the
   old groups to finish their requests (running requests move only to DP): about one
   output at the current TPOT, charged where anything runs. A switch from DP to groups
-  while DP requests run puts some of them and of the group's first requests past the
-  TPOT SLO (``interleave_lost``): a goodput gain must repay them, a latency gain may
-  not cost one and must repay the latency the interleaving adds (``interleave_ms``);
+  while DP requests run takes them into the new groups with their KV (``joins``, up to
+  ``MAX_JOIN`` a group: the switch's relayout cost); those it leaves beside the groups
+  (``beside``) put some of themselves and of the groups' first requests past the TPOT
+  SLO (``interleave_lost``): a goodput gain must repay them, a latency gain may not
+  cost one and must repay the latency the interleaving adds (``interleave_ms``);
 - the candidates are the uniform layouts (DP, or every engine in groups of one
   degree): a mixed one is not what the mechanism runs (``LayoutChooser.__init__``);
 - hysteresis: a goodput gain must exceed ``GOODPUT_MARGIN`` of the current layout's
@@ -47,6 +49,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from scheduler.costs import Costs
+from scheduler.relayout import MAX_JOIN
 from scheduler.service import Layout, Prediction, Slo, layouts, predict
 from scheduler.traffic import Traffic
 
@@ -172,7 +175,7 @@ def interleave_ms(cur: Prediction, new: Prediction, running: int, rate: float,
 
 class LayoutChooser:
     def __init__(self, num_engines: int, degrees: tuple[int, ...], horizon_s: float,
-                 latency_gain: float, engine_kv_tokens: float):
+                 latency_gain: float, engine_kv_tokens: float, joins: bool = False):
         # Uniform layouts only: the mechanism runs a mixed one as neither (DP requests
         # go to every engine, binds round robin over every group of the degree), so
         # its groups meet DP arrivals and move (docs/BENCHMARKS.md, simulated, problem 5).
@@ -182,6 +185,8 @@ class LayoutChooser:
         self.horizon_s = horizon_s
         self.latency_gain = latency_gain
         self.engine_kv_tokens = engine_kv_tokens
+        self.joins = joins  # a forming group takes its members' running DP requests in
+        self.num_engines = num_engines
         self._credit: dict[int, float] = {}
         #: [(points, prompt, output), {degree: capacity}] for the quiet and loaded costs
         self._quiet_caps: list = [None, {}]
@@ -210,6 +215,17 @@ class LayoutChooser:
             if p is not None:
                 out[layout] = p
         return out
+
+    def beside(self, lay: Layout, running: int) -> int:
+        """The running DP requests a switch from DP to ``lay`` leaves beside its groups,
+        running their DP steps between the groups' until they end: all of them, or with
+        ``joins`` those beyond ``MAX_JOIN`` a group (each group's members hold their
+        engines' share of ``running``; the rest join it with their KV, at the switch's
+        relayout cost)."""
+        if not self.joins or not lay.groups:
+            return running
+        share = running * lay.tp_degree / self.num_engines
+        return round(lay.groups * max(0.0, share - MAX_JOIN))
 
     def capacity(self, layout: Layout) -> float:
         """The layout's capacity (req/s) for the costs and sizes of the last prediction
@@ -365,8 +381,9 @@ class LayoutChooser:
         # saturated: they miss their SLOs whether it switches or not) and the arrivals
         # during it.
         delayed = (0 if cur.saturated else running) + traffic.rate * cost_ms / 1000.0
+        left = self.beside(best, running)  # the rest join the new groups
         lost = 0.0 if self.current.groups or not best.groups or cur.saturated else \
-            interleave_lost(cur, new, running, traffic.rate, output, slo)
+            interleave_lost(cur, new, left, traffic.rate, output, slo)
         gain = new.goodput - cur.goodput
         tie = abs(gain) <= GOODPUT_TIE * max(new.goodput, cur.goodput)
         if not tie and gain > GOODPUT_MARGIN * cur.goodput:
@@ -404,7 +421,7 @@ class LayoutChooser:
             # not for a request's SLO (expected): a latency gain must not cost goodput,
             # and must repay what interleaving with the running DP requests adds
             drag = 0.0 if self.current.groups or not best.groups else \
-                interleave_ms(cur, new, running, traffic.rate, output)
+                interleave_ms(cur, new, left, traffic.rate, output)
             worth = lost < 1.0 and \
                 saved * traffic.rate * self.horizon_s > delayed * cost_ms + drag
             kind = f"latency {new.ttft_ms + output * new.tpot_ms:.0f} vs " \

@@ -166,6 +166,12 @@ class PolicyConfig:
     #: How long a traffic phase is expected to last (s): a layout change must gain more
     #: over it than the change costs.
     phase_s: float = 10.0
+    #: A forming group takes its members' running DP requests in (the node sets it from
+    #: ``--flying-move-to-dp`` not ``off``), up to ``scheduler.relayout.MAX_JOIN`` a
+    #: group, instead of running their DP steps between its own
+    #: (``layout_choice.interleave_lost``). False in decision logs written before
+    #: nodes did (their nodes joined the leader's requests only, when no peer had any).
+    joins: bool = False
 
     def validate(self) -> PolicyConfig:
         if self.policy not in POLICIES:
@@ -304,6 +310,7 @@ class Policy:
             self.chooser = LayoutChooser(
                 self.node.num_engines, self.node.degrees, self.config.phase_s,
                 self.config.tp_gain, self.node.engine_slots or self.node.engine_capacity,
+                joins=self.config.joins,
             )
         choice = self.chooser.choose(
             traffic.now, costs, traffic, sum(e.running for e in loads),

@@ -15,6 +15,9 @@ from collections.abc import Mapping
 #: Tokens a TP session reserves beyond prompt + max_new_tokens: SGLang's admission keeps
 #: one page per request and one slot of headroom (strict ``<``) free.
 ADMISSION_SLACK = 4
+#: Most running DP requests that join one forming session, from all its members
+#: together (``flying.session.join``); the rest run their DP steps between the group's.
+MAX_JOIN = 8
 
 
 def assign(lens: list[int], rooms: list[int], loads: list[int]) -> list[int] | None:

@@ -58,13 +58,21 @@ def _move(ev: dict) -> list[str]:
 
 def _join(ev: dict) -> list[str]:
     out = []
-    if "requests" in ev:  # the leader: its candidates' budgets from their inputs
+    if "requests" in ev:  # a member holding candidates: their budgets from their inputs
         reqs = ev["requests"]
         budgets = [running_budget(r["kv"], r["max_new_tokens"], r["outputs"]) for r in reqs]
-        if budgets != ev["budgets"] or [r["kv"] for r in reqs] != ev["lens"]:
-            out.append(f"budgets {budgets}, logged {ev['budgets']}")
+        if not _within(list(zip([r["kv"] for r in reqs], budgets, strict=True)),
+                       list(zip(ev["lens"], ev["budgets"], strict=True))):
+            out.append(f"budgets {budgets}, not among the logged {ev['budgets']}")
     out += _reserved(ev, ev["budgets"])
     return out
+
+
+def _within(part: list, whole: list) -> bool:
+    """Whether ``part`` is a run of consecutive items of ``whole`` (a member's own
+    candidates among every member's, which are listed in rank order)."""
+    n = len(part)
+    return any(whole[i : i + n] == part for i in range(len(whole) - n + 1))
 
 
 def _upgrade_join(ev: dict) -> list[str]:

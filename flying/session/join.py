@@ -1,27 +1,33 @@
 """Running DP requests join a group as it forms (DP -> TP relayout, no recompute).
 
 When a session starts (``--flying-move-to-dp`` allows its bind: the adaptive policy's
-light-load groups by default) and no member other than the leader has DP work, the
-leader's running DP requests join the session instead of waiting for it (hard
-preemption) or making it wait (soft): every member reaches ``gather`` right after the
-bind's rendezvous, in its DP state, and
+light-load groups by default), the members' running DP requests join the session
+instead of waiting for it (hard preemption) or making it wait (soft), and instead of
+running their DP steps between the group's until they end (each such step delays every
+request of the group): every member reaches ``gather`` right after the bind's
+rendezvous, in its DP state, and
 
-1. the leader shares the candidates' context lengths and KV budgets (one small
-   collective); each member reserves TP room for them and the members agree (a MIN)
-   on how many join;
-2. the leader takes those requests out of its DP batch: it reads their KV rows (every
-   head), hands the rows to its prefix cache the way SGLang releases any request
-   (``release_kv_cache`` with a checkpoint: the tokens stay cached in DP), and sends
-   the requests' state (the ``Req``, pickled without its tokenizer and locks) and the
-   KV to the members;
+1. every member shares its candidates' context lengths and KV budgets (one small
+   collective; nothing joins if a member other than the leader has DP requests
+   waiting: the session would hand its requests straight back to DP, ``move``); the
+   candidates are taken in TP-rank order, at most ``MAX_JOIN``; each member reserves TP
+   room for them and the members agree (a MIN) on how many join;
+2. each member holding some of them (a *source*, in TP-rank order) takes its requests
+   out of its DP batch: it reads their KV rows (every head), hands the rows to its
+   prefix cache the way SGLang releases any request (``release_kv_cache`` with a
+   checkpoint: the tokens stay cached in DP), and sends the requests' state (the
+   ``Req``, pickled without its tokenizer and locks) and the KV to the members;
 3. in the session's TP state (``land``) every member takes a request row and TP slots,
    writes its own head shard of each token (``kv_relayout.shard_view``; a replicated
    head is written by each of its ranks), and adds the
    requests to the session's running batch as a decode batch whose next input is each
    request's last token (SGLang's ``FutureMap`` relay, as for any decode step).
 
-The leader's ``Req`` objects are the originals (their stream offsets, logprobs and
-sampling state go on); the other members run identical copies and send nothing.
+A source's ``Req`` objects are the originals (their stream offsets, logprobs and
+sampling state go on); the other members run identical copies. In the group only the
+leader sends outputs, so a request that joined from another member is answered by the
+leader's copy from then on (SGLang's detokenizer keys a stream by request id), as a
+request moved to DP on another member is.
 Nothing is prefilled again. If the session fails later, containment ends joined
 requests like any session request that has streamed (an explicit error).
 """
@@ -36,18 +42,15 @@ from dataclasses import dataclass, field
 import torch
 
 from flying.session import layout_log, move, tp_scope
-from flying.session.admission import MAX_PER_STEP, agree
+from flying.session.admission import agree
 from flying.session.budget import resolved_max_new_tokens
 from flying.session.move import kv_len, merge_into_running, rehome
 from flying.substrate import kv_adaptor, kv_relayout
 from flying.substrate.layout import KvSplit
-from scheduler.relayout import running_budget
+from scheduler.relayout import MAX_JOIN, running_budget
 
 logger = logging.getLogger(__name__)
 
-#: Most DP requests that join one session (fixed width of the first collective).
-MAX_JOIN = MAX_PER_STEP
-_WIDTH = 1 + 2 * MAX_JOIN  # [n, lens..., budgets...]
 
 
 @dataclass
@@ -79,6 +82,17 @@ class Joining:
     #: not the leader's DP requests joining a forming session
     upgrade: bool = False
     t_carried: float = 0.0  # perf_counter when this member held its shard (``carry``)
+    #: a join from several members: this member's own requests among ``reqs`` (the
+    #: originals it took out of DP) and their lengths; None: ``reqs`` on the source
+    own: list | None = None
+    own_lens: list[int] | None = None
+
+    def originals(self) -> tuple[list, list[int]]:
+        """The requests this member took out of DP (what a failed join puts back into
+        its DP batch) and their KV lengths; none off a source."""
+        if self.own is not None:
+            return self.own, self.own_lens or []
+        return (self.reqs, self.lens) if self.source else ([], [])
 
 
 def eligible(req, seq_len: int) -> bool:
@@ -122,55 +136,101 @@ def _budget(req, dp_limit: int) -> int | None:
 
 def gather(engine, scheduler, bind, member, is_leader: bool, faults=None) -> Joining | None:
     """Every member of a forming session, DP state, after the rendezvous: agree on the
-    leader's DP requests that join and carry their KV over. None if none join."""
+    members' running DP requests that join and carry their KV over. None if none join."""
     if not move.allowed(engine.move_to_dp, {bind.reason}):
         return None
     degree = bind.degree
     lens: list[int] = []
     budgets: list[int] = []
     picked: list = []
-    if is_leader:
-        for req in scheduler.running_batch.reqs:
-            budget = _budget(req, engine.dp_limit) if len(picked) < MAX_JOIN else None
-            if budget is not None:
-                picked.append(req)
-                lens.append(kv_len(req))
-                budgets.append(budget)
-    values = [len(picked), *_padded(lens), *_padded(budgets)]
-    busy_peer = int(not is_leader and engine_has_dp_work(scheduler))
-    shared, busy_peers = member.share_ints(values, _WIDTH, own=busy_peer)
-    n = shared[0]
-    if n == 0 or busy_peers:
+    for req in scheduler.running_batch.reqs:
+        budget = _budget(req, engine.dp_limit) if len(picked) < MAX_JOIN else None
+        if budget is not None:
+            picked.append(req)
+            lens.append(kv_len(req))
+            budgets.append(budget)
+    blocked = int(not is_leader and bool(scheduler.waiting_queue or scheduler.chunked_req))
+    rows = member.gather_ints([blocked, len(picked), *_padded(lens), *_padded(budgets)])
+    if any(row[0] for row in rows):
         return None
-    lens, budgets = shared[1 : 1 + n], shared[1 + MAX_JOIN : 1 + MAX_JOIN + n]
+    candidates = _candidates(rows)  # (source rank, KV tokens, budget), TP-rank order
+    if not candidates:
+        return None
     room = tp_scope.dp_room(scheduler) if layout_log.enabled() else 0
     reservations = []
-    for tokens in budgets:
+    for _, _, tokens in candidates:
         # evicts cached DP prefixes
         res = tp_scope.reserve_for(scheduler, tokens, engine.prepared[degree].per_slot)
         if res is None:
             break
         reservations.append(res)
     k = agree(member, scheduler.token_to_kv_pool_allocator, reservations)
-    log = _log(engine, bind, picked, lens, budgets, room, len(reservations), k)
+    own = sum(1 for c in candidates if c[0] == member.tp_rank)
+    log = _log(engine, bind, picked[:own], [c[1] for c in candidates],
+               [c[2] for c in candidates], room, len(reservations), k)
     if k == 0:
         if log is not None:
             layout_log.write("join", log)
         return None
-    t_agreed = time.perf_counter()
-    lens = lens[:k]
-    block, payload = (_take_out(scheduler, picked[:k]) if is_leader else (None, b""))
-    joining = Joining(picked[:k], lens, None, reservations[:k], t_agreed, block, source=is_leader,
-                      log=log)
-    carry(member, scheduler, joining, payload, degree, 0, faults)
+    joining = Joining([], [], None, reservations[:k], time.perf_counter(), log=log)
+    _carry_all(member, scheduler, joining, picked, candidates[:k], degree, faults)
     return joining
+
+
+def _candidates(rows: list[list[int]]) -> list[tuple[int, int, int]]:
+    """The joining candidates of every member's row (``[blocked, n, lens..., budgets...]``,
+    TP-rank order) as (source rank, KV tokens, budget), in TP-rank order and each
+    member's batch order, at most ``MAX_JOIN``: the same list on every member."""
+    out = []
+    for rank, row in enumerate(rows):
+        n = row[1]
+        out += [(rank, row[2 + i], row[2 + MAX_JOIN + i]) for i in range(n)]
+    return out[:MAX_JOIN]
+
+
+def _carry_all(member, scheduler, joining: Joining, picked: list,
+               joined: list[tuple[int, int, int]], degree: int, faults=None) -> None:
+    """Every member, DP state, once the members agreed and reserved: each source in
+    TP-rank order takes its joining requests (the first of ``picked``) out of DP and
+    carries them to every member (``carry``); ``joining`` gets them all in ``joined``'s
+    order, this member's shard of their tokens and, on a source, its originals. On
+    failure the reservations are given back and this member's taken requests go on in
+    DP (then the exception propagates)."""
+    me = member.tp_rank
+    carried: list[Joining] = []
+    try:
+        for src in sorted({c[0] for c in joined}):
+            lens = [c[1] for c in joined if c[0] == src]
+            block, payload = (_take_out(scheduler, picked[: len(lens)]) if src == me
+                              else (None, b""))
+            part = Joining(picked[: len(lens)] if src == me else [], lens, None, [],
+                           joining.t_agreed, block, source=src == me)
+            carry(member, scheduler, part, payload, degree, src, faults)
+            carried.append(part)
+    except BaseException:
+        for res in joining.reservations:
+            kv_adaptor.release(scheduler.token_to_kv_pool_allocator, res)
+        for part in carried:  # a later source failed: this member's go on in DP
+            if part.source:
+                restore(scheduler, part)
+        raise
+    joining.reqs = [r for part in carried for r in part.reqs]
+    joining.lens = [n for part in carried for n in part.lens]
+    shards = [part.shard for part in carried]
+    joining.shard = shards[0] if len(shards) == 1 else torch.cat(shards, dim=2)
+    own = [part for part in carried if part.source]
+    if own:
+        joining.source, joining.full = True, own[0].full
+        joining.own, joining.own_lens = own[0].reqs, own[0].lens
+    joining.t_carried = time.perf_counter()
 
 
 def _log(engine, bind, picked: list, lens: list[int], budgets: list[int], room: int,
          reserved: int, joined: int) -> dict | None:
-    """A join's line for the decision log (None without a log): the leader's candidates
-    (on the leader, each one's inputs to ``running_budget``), this member's DP room
-    before it reserved, how many it reserved, and how many joined (the MIN)."""
+    """A join's line for the decision log (None without a log): every member's
+    candidates (``lens``, ``budgets``; this member's own with their inputs to
+    ``running_budget``), this member's DP room before it reserved, how many it reserved,
+    and how many joined (the MIN)."""
     if not layout_log.enabled():
         return None
     doc = {**layout_log.about(bind, engine.dp_rank), "lens": list(lens), "budgets": list(budgets),
@@ -249,7 +309,7 @@ def restore(scheduler, joining: Joining) -> None:
     """Source, DP state: requests taken out of DP for a join that failed go on in DP
     (their KV rewritten from the copy the source kept, their DP bound back); an explicit
     error if even that fails. Returns nothing: either way every request is answered."""
-    reqs = joining.reqs
+    reqs, lens = joining.originals()
     for req, bound in zip(reqs, joining.dp_bounds or (), strict=False):
         req.sampling_params.max_new_tokens = bound
     if joining.parked:  # they left a group and fit no engine: they end there
@@ -262,9 +322,9 @@ def restore(scheduler, joining: Joining) -> None:
         for req in reqs:
             if req.kv.holds_kv:
                 scheduler.req_to_token_pool.free(req)
-        slots = tp_scope.take_dp_slots(scheduler, sum(joining.lens))
+        slots = tp_scope.take_dp_slots(scheduler, sum(lens))
         pool = scheduler.tp_worker.model_runner.token_to_kv_pool
-        _place(scheduler, pool, reqs, joining.lens, joining.full, slots)
+        _place(scheduler, pool, reqs, lens, joining.full, slots)
         logger.warning("flying: a join failed; %d request(s) went on in DP", len(reqs))
     except Exception as exc:  # noqa: BLE001 - the last resort is an explicit answer
         logger.exception("flying: requests of a failed join could not go back to DP")
@@ -311,12 +371,6 @@ def _place(scheduler, pool, reqs: list, lens: list[int], block: torch.Tensor, sl
     last = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64, device=device)
     scheduler.future_map.stash(batch.req_pool_indices, RelayPayload(bonus_tokens=last))
     merge_into_running(scheduler, batch)
-
-
-def engine_has_dp_work(scheduler) -> bool:
-    from flying.session.drain import nothing_running
-
-    return bool(scheduler.waiting_queue) or not nothing_running(scheduler)
 
 
 def _padded(values: list[int]) -> list[int]:

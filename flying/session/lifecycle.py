@@ -318,13 +318,15 @@ class Lifecycle:
         self._end(scheduler, s, [])
 
     def _joined(self, s: GroupSession, joining: join.Joining, ms: float) -> None:
-        """Running DP requests (the leader's, or an upgrade's) joined the forming session."""
+        """Running DP requests (the members', or an upgrade's) joined the forming session;
+        each is counted by the member it came from."""
         self.counters.join_ms_sum += ms
-        if joining.source:
-            self.counters.moved_to_tp += len(joining.reqs)
-            self.counters.moved_tokens_to_tp += sum(joining.lens)
-            self.counters.upgraded += len(joining.reqs) if joining.upgrade else 0
-            self.counters.regrouped += len(joining.reqs) if joining.parked else 0
+        own, own_lens = joining.originals()
+        if own:
+            self.counters.moved_to_tp += len(own)
+            self.counters.moved_tokens_to_tp += sum(own_lens)
+            self.counters.upgraded += len(own) if joining.upgrade else 0
+            self.counters.regrouped += len(own) if joining.parked else 0
         if joining.upgrade and self.watch.enabled:  # may outgrow this group too
             s.growable.update(r.rid for r in joining.reqs)
         if joining.upgrade:

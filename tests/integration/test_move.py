@@ -218,16 +218,26 @@ def test_a_fault_while_joining_leaves_the_request_in_dp(move_server, demo_model_
 def test_dp_work_a_group_found_at_its_bind_is_served_beside_it_not_moved_into(
     move_server, demo_model_dir
 ):
-    """A DP request running on engine 1 (not the leader: it does not join) when a TP-2
-    request binds the group: the group's request stays in the group to its end, the DP
-    request runs between group steps. Only DP work that arrives during a session moves
+    """A DP request that cannot join (constrained decoding) running on engine 1 when a
+    TP-2 request binds the group: the group's request stays in the group to its end, the
+    DP request runs between group steps. Only DP work that arrives during a session moves
     its requests; otherwise every session formed beside running DP requests (those an
     earlier session moved to DP among them) would hand its requests to DP at once."""
-    long_prompt, short_prompt = prompts(2, 36, seed=211)
+    (short_prompt,) = prompts(1, 36, seed=211)
     before = wait_idle(move_server)
-    dp, result = greedy_on(move_server, long_prompt, LONG, 1)
-    until(lambda: delta(status(move_server), before, "prefill_tokens") >= len(long_prompt),
+    result: dict = {}
+
+    def run_constrained() -> None:  # stays in DP on engine 1 throughout
+        payload = {"text": "pick:", "routed_dp_rank": 1, "sampling_params": {
+            "max_new_tokens": LONG, "temperature": 0, "regex": "[a-z]{2000}"}}
+        r = move_server.post("/generate", payload, timeout=600)
+        result.update(r.json(), status_code=r.status_code)
+
+    dp = threading.Thread(target=run_constrained, daemon=True)
+    dp.start()
+    until(lambda: delta(status(move_server), before, "prefill_tokens") > 0,
           "the DP request did not start")
+    time.sleep(0.5)
     short = greedy(move_server, short_prompt, SHORT, TP2)
     dp.join(timeout=600)
     assert result.pop("status_code") == 200, result
@@ -237,4 +247,59 @@ def test_dp_work_a_group_found_at_its_bind_is_served_beside_it_not_moved_into(
     assert _delta(after, before, "moved_to_dp") == 0 and _delta(after, before, "moved_to_tp") == 0
     assert _delta(after, before, "dp_steps_in_session") > 0
     assert short["output_ids"] == greedy_tokens(demo_model_dir, short_prompt, SHORT)
-    assert result["output_ids"] == greedy_tokens(demo_model_dir, long_prompt, LONG)
+    assert result["text"].isalpha(), result["text"]
+    assert result["meta_info"]["completion_tokens"] == LONG, result["meta_info"]
+
+
+def _both_then_tp(server, seed: int) -> tuple[dict, list, list, dict, list]:
+    """A long DP request on each engine, then (once both decode) a short TP-2 request
+    binding the group [0, 1]; returns (status before, the long prompts, their answers,
+    the short answer, the short prompt)."""
+    before = wait_idle(server)
+    *longs, short_prompt = prompts(3, 34, seed=seed)
+    runs = [greedy_on(server, p, LONG, rank) for rank, p in enumerate(longs)]
+    until(lambda: delta(status(server), before, "prefill_tokens") >= sum(map(len, longs)),
+          "the DP requests did not start")
+    time.sleep(0.5)  # some DP decode steps on both
+    short = greedy(server, short_prompt, SHORT, TP2)
+    answers = []
+    for thread, result in runs:
+        thread.join(timeout=600)
+        assert result.pop("status_code") == 200, result
+        answers.append(result)
+    return before, longs, answers, short, short_prompt
+
+
+def test_running_dp_requests_of_every_member_join_a_forming_group(move_server, demo_model_dir):
+    """A long DP request on each engine when a TP-2 request binds the group: both join it
+    with their KV (each counted by the engine it came from; engine 1's is answered by
+    the leader from then on) instead of running their DP steps between the group's:
+    every answer is transformers' greedy tokens, every prompt prefilled once."""
+    before, longs, answers, short, short_prompt = _both_then_tp(move_server, seed=223)
+    after = settled(move_server, before)
+    joined = [a - b for a, b in zip(engine_counter(after, "moved_to_tp"),
+                                    engine_counter(before, "moved_to_tp"), strict=True)]
+    assert joined == [1, 1], joined
+    assert _delta(after, before, "dp_steps_in_session") == 0
+    assert short["output_ids"] == greedy_tokens(demo_model_dir, short_prompt, SHORT)
+    for prompt, answer in zip(longs, answers, strict=True):
+        assert answer["output_ids"] == greedy_tokens(demo_model_dir, prompt, LONG)
+    assert _delta(after, before, "prefill_tokens") == sum(map(len, longs)) + len(short_prompt)
+
+
+def test_a_fault_at_the_second_source_puts_the_first_sources_request_back(
+    move_server, demo_model_dir
+):
+    """Two members join their requests; engine 1 fails as its own request is carried,
+    after engine 0's was (the fault's second check there): the session ends, engine 0
+    puts its carried request back into its DP batch, engine 1's never left, and both go
+    on in DP to transformers' tokens with every slot and row back."""
+    r = move_server.post("/flying/test/fault", {"stage": "join", "rank": 1, "after": 1})
+    assert r.status_code == 200, r.text
+    before, longs, answers, short, short_prompt = _both_then_tp(move_server, seed=227)
+    after = settled(move_server, before)
+    assert _delta(after, before, "faulted_sessions") >= 1
+    assert _delta(after, before, "moved_to_tp") == 0
+    for prompt, answer in zip(longs, answers, strict=True):
+        assert answer["output_ids"] == greedy_tokens(demo_model_dir, prompt, LONG)
+    assert short["output_ids"] == greedy_tokens(demo_model_dir, short_prompt, SHORT)

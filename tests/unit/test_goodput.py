@@ -610,6 +610,31 @@ def test_dp_requests_a_group_would_slow_past_the_slo_forbid_a_latency_switch():
     assert choose(running=30, slo_tpot=20.0) == "1xTP8"
 
 
+def test_dp_requests_a_group_takes_in_do_not_count_against_switching_to_it():
+    """With joins (``--flying-move-to-dp`` not off) a forming group takes its members'
+    running DP requests in with their KV, up to ``MAX_JOIN`` a group: only the rest run
+    their DP steps between the group's. 30 running on 8 engines: one TP-8 group leaves
+    22 beside it and the latency switch stays refused; four TP-2 groups take all 30 in
+    (7.5 each) and it is taken; 40 leave 4 x (10 - 8) = 8 beside them."""
+    preds = {DP8: _pred(DP8, 10.0, tpot=8.0), TP8: _pred(TP8, 10.0, tpot=4.6),
+             TP2: _pred(TP2, 10.0, tpot=4.6)}
+
+    def choose(best: Layout, joins: bool) -> str:
+        chooser = _chooser(DP8, preds, best)
+        chooser.joins = joins
+        traffic = Traffic(0.0, 10.0, 10.0, 2000.0, 300.0, 100, 100)
+        return chooser._choose(0.0, TP_ALWAYS, traffic, 30, 0, Slo(220.0, 11.5),
+                               SwitchCosts(2.0, 0.4)).layout.name
+
+    assert choose(TP8, joins=True) == "8xDP"
+    assert choose(TP2, joins=False) == "8xDP"
+    assert choose(TP2, joins=True) == "4xTP2"
+    chooser = LayoutChooser(8, (2, 4, 8), 10.0, 0.1, 1e6, joins=True)
+    assert [chooser.beside(lay, 30) for lay in (DP8, TP8, TP4, TP2)] == [30, 22, 14, 0]
+    assert chooser.beside(TP2, 40) == 8
+    assert LayoutChooser(8, (2,), 10.0, 0.1, 1e6).beside(TP2, 40) == 40
+
+
 def test_interleave_lost_counts_the_running_and_the_arrivals_past_the_slo():
     cur, new = _pred(DP8, 10.0, tpot=8.0), _pred(TP8, 10.0, tpot=4.6)
     slo = Slo(220.0, 11.5)

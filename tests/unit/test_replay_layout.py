@@ -138,6 +138,12 @@ def test_joins_replay_budgets_reservations_and_the_min():
     alone = _joins()[:1]  # one member's line only: checked on its own, no MIN
     assert replay.replay_log(_lines(*alone), None, None).diffs == []
 
+    both = _joins()  # a join from both members: engine 1 held the second candidate
+    both[1]["requests"], both[0]["requests"] = both[0]["requests"][1:], both[0]["requests"][:1]
+    assert replay.replay_log(_lines(*both), None, None).diffs == []
+    both[1]["requests"][0]["kv"] = 60  # not a candidate of the shared list
+    assert "not among" in replay.replay_log(_lines(*both), None, None).diffs[0][2]
+
 
 def test_upgrade_joins_replay_the_new_total_and_reservations():
     lines = _upgrade_joins()

@@ -221,8 +221,8 @@ def test_a_member_with_dp_work_runs_one_dp_step_between_two_group_steps():
 
 def _beside_running_dp(arrival: float | None):
     """Engine 1 runs a DP request when an explicit TP-2 request binds engines 0 and 1
-    (engine 1 is no leader: its request does not join); ``arrival``: a DP request
-    reaches engine 0 then, while the session runs."""
+    (its request joins the group); ``arrival``: a DP request reaches engine 0 then,
+    while the session runs."""
     profile = flat(10.0, 4.0)
     trace = [TraceRequest(0, 0.0, 16, 5), TraceRequest(1, 0.0, 16, 400),
              TraceRequest(2, 0.5, 16, 200)]
@@ -232,21 +232,22 @@ def _beside_running_dp(arrival: float | None):
                     explicit={2: 2})
 
 
-def test_a_session_moves_for_dp_requests_that_arrive_during_it_not_for_running_ones():
-    """``GroupSession.dp_arrived``: a session bound beside a member's running DP request
-    keeps its request (the DP request runs one DP step between group steps); a DP
-    request dispatched to a member during the session moves the session's requests."""
+def test_a_members_running_dp_request_joins_and_only_an_arrival_moves_the_session():
+    """``join.gather``: a session bound beside a member's running DP request takes it in
+    with its KV (every member's, not only the leader's), so no DP step runs between the
+    group's steps; ``GroupSession.dp_arrived``: a DP request dispatched to a member
+    during the session moves the session's requests to DP, the running ones did not."""
     beside = _beside_running_dp(None)
     first, running, group = beside.records
-    assert first.end_s < 0.5 and running.flying["ranks"] == [1] and running.end_s > 0.6
+    assert first.end_s < 0.5 and running.flying["ranks"] == [1]
+    assert running.flying["moved"].startswith("joined a TP-2 group")
     assert group.flying["mode"] == "tp" and "moved" not in group.flying
-    assert beside.counters["moves"] == 0 and beside.counters["joins"] == 0
+    assert beside.counters["moves"] == 0 and beside.counters["joins"] == 1
     c = flat(10.0, 4.0).costs
-    shared = c.decode(2, 1) + c.decode(1, 1)
-    assert shared in [pytest.approx(g * 1000) for g in group.itl_s]  # DP steps between
+    assert all(g * 1000 == pytest.approx(c.decode(2, 2)) for g in group.itl_s)  # no DP step between
     arrived = _beside_running_dp(0.6)
     group, new = arrived.records[2], arrived.records[3]
-    assert arrived.counters["moves"] == 1
+    assert arrived.counters["moves"] == 1 and arrived.counters["joins"] == 1
     assert group.flying["mode"] == "tp" and group.flying["moved"].startswith("moved to DP")
     assert new.flying["ranks"] == [0] and all(r.success for r in arrived.records)
 

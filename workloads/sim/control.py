@@ -55,6 +55,7 @@ def policy_config(cfg: FlyingConfig) -> PolicyConfig:
     return PolicyConfig(
         cfg.policy, cfg.priority_threshold, cfg.light_load, cfg.heavy_load, cfg.tp_gain,
         slo_ttft_ms=cfg.slo_ttft, slo_tpot_ms=cfg.slo_tpot, phase_s=cfg.phase_s,
+            joins=cfg.move_to_dp != "off",
     ).validate()
 
 

@@ -13,8 +13,9 @@ Each follows the engine code it models (``flying.session.lifecycle``, ``admissio
 - admission: the same-group binds at the head of the leader's queue (at most
   ``MAX_OFFERS`` a boundary) join while every member can reserve; the first that
   cannot closes admission for the session (it runs in a later session, in order);
-- join (a forming session whose bind may move, no peer with DP work): the leader's
-  running DP requests join with their KV, as many as every member can reserve;
+- join (a forming session whose bind may move, no member but the leader with DP
+  requests waiting or being prefilled): the members' running DP requests, in rank
+  order, join with their KV, as many as every member can reserve;
 - move (a session that may move, DP requests arrived at a member during it, every
   request decoding; ``node`` keeps the marks): the requests go to DP on the members by
   ``assign``; refused, it retries ``RETRY_STEPS`` group steps later. A move costs the
@@ -28,7 +29,7 @@ from typing import TYPE_CHECKING
 
 from flying.session.budget import kv_tokens_needed
 from flying.session.exchange import MAX_OFFERS
-from scheduler.relayout import assign, joinable, reservable, running_budget
+from scheduler.relayout import MAX_JOIN, assign, joinable, reservable, running_budget
 from workloads.sim.batching import SimRequest
 
 if TYPE_CHECKING:
@@ -37,8 +38,6 @@ if TYPE_CHECKING:
 #: ``flying.session.move.RETRY_STEPS`` (that module needs torch): group steps a
 #: session waits after a refused move.
 RETRY_STEPS = 8
-#: ``flying.session.join.MAX_JOIN``: most running DP requests that join one session.
-MAX_JOIN = MAX_OFFERS
 MOVED_REASON = "moved to DP with its KV: DP work arrived"
 
 
@@ -146,17 +145,18 @@ def _write(node: SimNode, kind: str, doc: dict) -> None:
 
 
 def join(node: SimNode, s: Session) -> None:
-    """The leader's running DP requests join the forming session (``join.gather``)."""
+    """The members' running DP requests join the forming session (``join.gather``):
+    every member's, in rank order, at most ``MAX_JOIN``; none where a member other than
+    the leader has DP requests waiting or being prefilled."""
     if not may_move(node.move_to_dp, {s.bind.reason}):
         return
-    leader = s.members[0]
-    if any(m.dp.has_work() for m in s.members[1:]):
+    if any(m.dp.waiting or m.dp.chunk is not None or m.dp.prefilling for m in s.members[1:]):
         return
-    picked = leader.dp.running[:MAX_JOIN]
+    picked = [(m, r) for m in s.members for r in m.dp.running][:MAX_JOIN]
     if not picked:
         return
-    lens = [r.kv_len for r in picked]
-    budgets = [running_budget(r.kv_len, r.max_new, r.out) for r in picked]
+    lens = [r.kv_len for _, r in picked]
+    budgets = [running_budget(r.kv_len, r.max_new, r.out) for _, r in picked]
     rooms = [m.free() for m in s.members]
     reserved = [reservable(budgets, room, s.per_slot) for room in rooms]
     k = joinable(reserved)
@@ -164,15 +164,16 @@ def join(node: SimNode, s: Session) -> None:
     for m, room, n in zip(s.members, rooms, reserved, strict=True):
         doc = {**_about(s, m.rank), "lens": lens, "budgets": budgets, "per_slot": s.per_slot,
                "room": room, "reserved": n, "joined": k}
-        if m is leader:
+        own = [r for holder, r in picked if holder is m]
+        if own:
             doc["requests"] = [{"rid": r.rid, "kv": r.kv_len, "max_new_tokens": r.max_new,
-                                "outputs": r.out} for r in picked]
+                                "outputs": r.out} for r in own]
         if k:
             doc.update(ms=round(ms, 3), tokens=sum(lens[:k]))
         _write(node, "join", doc)
-    for req, budget in zip(picked[:k], budgets[:k], strict=True):
-        leader.dp.remove(req)
-        leader.dp_used -= req.slots
+    for (holder, req), budget in zip(picked[:k], budgets[:k], strict=True):
+        holder.dp.remove(req)
+        holder.dp_used -= req.slots
         need = s.slots(budget)
         grown = s.grow(need)
         assert grown, "every member reserved for the joining requests"
