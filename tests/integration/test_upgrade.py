@@ -195,7 +195,11 @@ def test_every_layout_change_is_in_the_decision_log_and_replays(upgrade_server, 
         assert all(x["ms"] > 0 for x in done) and sum(x["tokens"] for x in done) > 0, done
     move = [x for x in by_kind["move"] if x["owners"] is not None]
     assert sum(x["requests"] for x in move) == 1 and all(x["bytes_in"] > 0 for x in move)
-    assert all(x["joined"] >= 1 and x["kv_bytes"] > 0 for x in by_kind["join"])
+    # a join the members could not reserve for (an earlier test's DP request on engine 1
+    # when a group formed) is logged too, with what each member could reserve
+    assert all(x["joined"] >= 1 and x["kv_bytes"] > 0 if x.get("ms") is not None
+               else x["joined"] == 0 for x in by_kind["join"])
+    assert any(x.get("ms") is not None for x in by_kind["join"])
     assert all(x["joined"] == 1 and x["total"] > SLOTS for x in by_kind["upgrade_join"]
                if "joined" in x)
 
