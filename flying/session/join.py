@@ -79,7 +79,7 @@ class Joining:
     #: so a failed join ends them instead of putting them back into DP
     parked: bool = False
     #: an upgrade's request (it outgrew its engine or group: ``upgrade``, ``regroup``),
-    #: not the leader's DP requests joining a forming session
+    #: not the members' DP requests joining a forming session
     upgrade: bool = False
     t_carried: float = 0.0  # perf_counter when this member held its shard (``carry``)
     #: a join from several members: this member's own requests among ``reqs`` (the
