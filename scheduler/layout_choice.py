@@ -53,10 +53,14 @@ from scheduler.relayout import MAX_JOIN
 from scheduler.service import Layout, Prediction, Slo, layouts, predict
 from scheduler.traffic import Traffic
 
-#: Goodputs this close (relative) are a tie, decided by latency.
+#: Goodputs this close (a share of the larger one, or of the rate where that is more:
+#: layouts that all serve next to nothing within SLO tie) are a tie, decided by latency.
 GOODPUT_TIE = 0.02
 #: A goodput gain must be at least this share of the current layout's goodput.
 GOODPUT_MARGIN = 0.05
+#: A goodput gain predicted at the quiet points holds at the costs the steps run at now
+#: where at least this share of it is left (``_holds_loaded``).
+HOLD = 0.5
 #: The least time a layout is kept once taken (seconds).
 DWELL_S = 5.0
 #: The dwell does not hold a layout whose predicted goodput is below 1/this of the
@@ -92,6 +96,14 @@ def _band_edge(traffic: Traffic, k: float) -> float:
     """The rate ``k`` standard errors from the estimate (``Traffic.uncertainty``), kept
     at least ``MIN_BAND`` of it."""
     return max(MIN_BAND * traffic.rate, traffic.rate * (1.0 + k * traffic.uncertainty))
+
+
+def _margin(goodput: float, rate: float) -> float:
+    """The least goodput gain (req/s) over a layout serving ``goodput`` at ``rate`` that
+    pays a switch: ``GOODPUT_MARGIN`` of it, and at least ``GOODPUT_TIE`` of the rate
+    (where every layout serves next to nothing within SLO, a relative margin alone
+    takes 1e-13 req/s over 1e-28 for a gain)."""
+    return max(GOODPUT_MARGIN * goodput, GOODPUT_TIE * rate)
 
 
 def _sig2(x: float) -> float:
@@ -249,7 +261,7 @@ class LayoutChooser:
         return min(gains)
 
     def _holds_loaded(self, best: Layout, costs: Costs, traffic: Traffic, queued: float,
-                      slo: Slo) -> bool:
+                      slo: Slo, gain: float) -> bool:
         """Whether ``best``'s goodput gain over the current layout also holds at the
         costs as the steps run now (``Costs.loaded``: the quiet points times each mode's
         measured stretch): the quiet points are each mode's best, and under load every
@@ -257,14 +269,15 @@ class LayoutChooser:
         near the TPOT SLO's edge, the model's cliff (hidden-1024 model at 1.5 req/s: a
         group predicted to serve 0.11 req/s within SLO where DP served none; both
         streamed 4-5x past the SLO, the group 1.4x slower than DP; no decision log was
-        kept of that run, so this check is not shown to have stopped that switch). True
-        where nothing is stretched."""
+        kept of that run, so this check is not shown to have stopped that switch). It
+        holds where at least ``HOLD`` of the ``gain`` predicted at the quiet points is
+        left, and more than the margin. True where nothing is stretched."""
         loaded = costs.loaded()
         if loaded is costs:
             return True
         preds = self.predict_all(loaded, traffic, queued, slo, loaded=True)  # scaled once
         cur = preds[self.current].goodput
-        return preds[best].goodput - cur > GOODPUT_MARGIN * cur
+        return preds[best].goodput - cur > max(_margin(cur, traffic.rate), HOLD * gain)
 
     def _latency(self, lay: Layout, p: Prediction, output: float) -> float:
         """A request's predicted end-to-end latency (ms), a layout with groups charged
@@ -305,18 +318,28 @@ class LayoutChooser:
         rate was back (at 0.6 req/s: four round trips in a round, ITL p95 1.46x
         groups-off)."""
         top = max(p.goodput for p in preds.values())
-        equal = [lay for lay, p in preds.items() if p.goodput >= top * (1 - GOODPUT_TIE)]
+        equal = [lay for lay, p in preds.items()
+                 if p.goodput >= top - GOODPUT_TIE * max(top, rate)]
         keeping_up = [lay for lay in equal if not preds[lay].saturated]
         if not keeping_up:
             return max(equal, key=lambda lay: (preds[lay].throughput, -lay.groups))
         if costs is not None:
-            fast = [lay for lay in keeping_up if not lay.groups or (
-                (costs.gain(lay.tp_degree) or -1.0) >= self.latency_gain
-                and rate <= LIGHT * self.capacity(lay)
-                and not self._tails_over(lay, preds)
-                and not (upper and lay in upper and self._tails_over(lay, upper)))]
+            fast = [lay for lay in keeping_up
+                    if self._latency_may_take(lay, preds, costs, rate, upper)]
             keeping_up = fast or keeping_up
         return min(keeping_up, key=lambda lay: (self._latency(lay, preds[lay], output), lay.groups))
+
+    def _latency_may_take(self, lay: Layout, preds: dict[Layout, Prediction], costs: Costs,
+                          rate: float, upper: dict[Layout, Prediction] | None) -> bool:
+        """Whether latency may pick ``lay`` over a goodput tie (``_best``'s rules): DP
+        always; a layout with groups where its degree's step is ``latency_gain`` faster,
+        the load light at ``rate`` and its tails within DP's at the rate and at
+        ``upper``."""
+        return not lay.groups or (
+            (costs.gain(lay.tp_degree) or -1.0) >= self.latency_gain
+            and rate <= LIGHT * self.capacity(lay)
+            and not self._tails_over(lay, preds)
+            and not (upper and lay in upper and self._tails_over(lay, upper)))
 
     def _tails_over(self, lay: Layout, preds: dict[Layout, Prediction],
                     tolerance: float = TAIL_TOLERANCE) -> bool:
@@ -385,13 +408,19 @@ class LayoutChooser:
         lost = 0.0 if self.current.groups or not best.groups or cur.saturated else \
             interleave_lost(cur, new, left, traffic.rate, output, slo)
         gain = new.goodput - cur.goodput
-        tie = abs(gain) <= GOODPUT_TIE * max(new.goodput, cur.goodput)
-        if not tie and gain > GOODPUT_MARGIN * cur.goodput:
+        tie = abs(gain) <= GOODPUT_TIE * max(new.goodput, cur.goodput, traffic.rate)
+        if not tie and gain > _margin(cur.goodput, traffic.rate):
             gain = self._robust_gain(best, costs, traffic, queued, slo)
-            if gain <= GOODPUT_MARGIN * cur.goodput:
-                return Choice(self.current, f"goodput: keep {cur.layout} ({best.name} "
-                              "not better across the rate's uncertainty)", briefs)
-            if not self._holds_loaded(best, costs, traffic, queued, slo):
+            if gain <= _margin(cur.goodput, traffic.rate):  # a tie somewhere in the band
+                if cur.saturated or new.saturated or regroup or not (
+                        self._latency_may_take(best, reach, costs, top, upper)
+                        and self._latency(best, new, output)
+                        < self._latency(self.current, cur, output)):
+                    return Choice(self.current, f"goodput: keep {cur.layout} ({best.name} "
+                                  "not better across the rate's uncertainty)", briefs)
+                tie = True  # latency may decide it, as any tie
+        if not tie and gain > _margin(cur.goodput, traffic.rate):
+            if not self._holds_loaded(best, costs, traffic, queued, slo, gain):
                 return Choice(self.current, f"goodput: keep {cur.layout} ({best.name} not "
                               "better at the costs the steps run at now)", briefs)
             worth = gain * self.horizon_s > delayed * min(1.0, cost_ms / slo.ttft_ms) + lost

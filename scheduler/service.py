@@ -15,8 +15,9 @@ rate ``lam`` (req/s) of requests with ``P`` prompt and ``O`` output tokens:
 - TTFT: the rest of the step in flight, the prefill queue and the waiting requests
   already at the node, then its own prefill;
 - within SLO: ``P(TTFT <= slo)`` with an exponential queueing tail (M/M/1 shape:
-  ``P(wait > t) = rho exp(-(1 - rho) t / S)``) times a TPOT factor that falls from 1
-  to 0 between 0.9x and 1.1x the TPOT SLO (batches fluctuate around ``B``);
+  ``P(wait > t) = rho exp(-(1 - rho) t / S)``) times the share of requests whose TPOT
+  is within its SLO (``_tpot_within``: the number of prefills a request's life meets
+  varies, so a layout past the TPOT SLO on average still serves some within it);
 - saturated (``lam`` above the capacity ``mu``): the queue grows for the whole phase
   (``horizon_s``); requests meet the TTFT SLO only while the queue's wait is below it,
   i.e. those arriving in the first ``t* = slack * mu / (lam - mu)`` seconds.
@@ -41,6 +42,13 @@ ITERATIONS = 60
 MAX_RUNNING = 256
 #: The capacity (req/s) of a server whose steps cost nothing measurable.
 MAX_RATE = 1e6
+#: How far (a share of the TPOT SLO) a request's TPOT varies about the mean at least:
+#: uniform within it (``_tpot_within``).
+TPOT_EDGE = 0.1
+#: The squared coefficient of variation of prompt sizes (``_tpot_within``): an
+#: assumption (the arrival estimate keeps the mean only); U[128, 4000], the paper
+#: preset's, is 0.29.
+PROMPT_CV2 = 0.3
 
 
 @dataclass(frozen=True)
@@ -192,14 +200,64 @@ def _serve(costs: Costs, degree: int, lam: float, prompt: float, out: float, cap
     return pre, rho, b, costs.decode(degree, b) or 0.0
 
 
-def _tpot_factor(tpot: float, slo: float) -> float:
-    return min(1.0, max(0.0, (1.1 * slo - tpot) / (0.2 * slo)))
+def _tpot_within(tpot: float, slo: float, lam: float, pre: float, out: float,
+                 rho: float, share: float) -> float:
+    """The share of a server's requests whose TPOT is within ``slo`` (ms), at a mean TPOT
+    of ``tpot``. A request's TPOT is a decode step plus the prefills of the arrivals
+    during its life (``life = out x tpot``) spread over its tokens; each extra prefill
+    also lengthens the life it lands in, which lets more arrive (a factor
+    ``1 / (1 - rho)``). Their number and sizes vary: the node's arrivals are Poisson
+    and the server takes its ``share`` of them in turn (a round robin: the count's
+    variance is ``share x lam x life``), each prompt's size varies (``PROMPT_CV2``), so
+    the prefills' part has sd ``s = pre x sqrt(lam tpot (share + PROMPT_CV2) / (1000
+    out)) / (1 - rho)``, 0 at light load. The steps vary with the batch too: at least
+    as much as a uniform spread within ``TPOT_EDGE`` of the SLO about the mean (alone,
+    the model's old edge: 1 below 0.9x the SLO, 0 above 1.1x). The share is the CDF at
+    the SLO of that uniform spread (what ``s`` leaves of its variance) plus the normal.
+
+    Past the SLO a layout still serves the requests that drew few prefills: simulated
+    at 8 req/s on Llama-3-70B, 4 engines, static TP-2 at a TPOT p50 of 45 ms served
+    17 % within a 37 ms SLO and DP at 56 ms 2 % (TPOT sd 10.2 and 10.1 ms; ``s`` 8.7
+    and 7.9), and the edge alone predicted 0 for both, so the node took DP; 8B on 8
+    engines of an H200 in DP at 29 req/s: TPOT sd 0.42 ms, ``s`` 0.40."""
+    if tpot <= 0.0 or not math.isfinite(slo):
+        return 1.0
+    x = slo - tpot
+    s = pre * math.sqrt(max(0.0, lam) * tpot * (share + PROMPT_CV2) / (1000.0 * out)) \
+        / max(1e-6, 1.0 - rho)
+    a = math.sqrt(max(0.0, (TPOT_EDGE * slo) ** 2 - 3.0 * s * s))  # uniform +-a: var a^2/3
+    if s < 1e-6 * slo:  # the uniform spread alone
+        return min(1.0, max(0.0, (x + a) / (2.0 * a)))
+    if a < 1e-6 * slo:  # the normal alone
+        return 0.5 * (1.0 + math.erf(x / (s * math.sqrt(2.0))))
+
+    def g(z: float) -> float:  # the integral of the normal CDF up to z
+        return z * 0.5 * (1.0 + math.erf(z / math.sqrt(2.0))) + \
+            math.exp(-0.5 * z * z) / math.sqrt(2.0 * math.pi)
+
+    return min(1.0, max(0.0, s / (2.0 * a) * (g((x + a) / s) - g((x - a) / s))))
+
+
+def _backlog_missed(backlog: float, slack: float, rho: float, horizon_s: float) -> float:
+    """The share of the horizon's arrivals that miss the TTFT SLO behind the requests
+    already waiting (``backlog`` ms of prefill) on a server that keeps up: the backlog
+    drains in ``D = backlog / (1 - rho)`` ms and an arrival ``u`` ms into it waits the
+    rest, ``backlog (1 - u / D)``, so those in the first ``1 - slack / backlog`` of it
+    miss (``slack``: the SLO less its own prefill). (Charging the whole backlog to every
+    arrival of the horizon put a group layout just formed at 0 behind the requests its
+    binds had held: simulated, 8B on 8 H100s at 50 req/s, 2xTP4 -> 4xTP2 1.4 s after
+    2xTP4 was taken, 23 requests waiting, 0.78x the goodput of staying.)"""
+    if backlog <= 0.0:
+        return 0.0
+    drained = min(1.0, backlog / max(1e-6, 1.0 - rho) / (1000.0 * max(horizon_s, 1e-6)))
+    return drained * min(1.0, max(0.0, 1.0 - slack / backlog))
 
 
 def _server(
     costs: Costs, degree: int, lam: float, prompt: float, out: float, queued: float,
-    slo: Slo, horizon_s: float, cap: float, mu: float,
+    slo: Slo, horizon_s: float, cap: float, mu: float, share: float = 1.0,
 ) -> _Server:
+    """One server's service at ``lam`` req/s, its ``share`` of the node's arrivals."""
     served = _serve(costs, degree, lam, prompt, out, cap) if lam < mu else None
     if served is not None:
         pre, rho, b, step = served
@@ -207,9 +265,10 @@ def _server(
         backlog = queued * pre
         wait = rho * pre / (2.0 * (1.0 - rho))
         ttft = step / 2.0 + wait + backlog + pre
-        slack = slo.ttft_ms - (step / 2.0 + backlog + pre)
+        slack = slo.ttft_ms - (step / 2.0 + pre)
         p_ttft = 0.0 if slack < 0 else 1.0 - rho * math.exp(-(1.0 - rho) * slack / max(pre, 1e-6))
-        good = lam * p_ttft * _tpot_factor(tpot, slo.tpot_ms)
+        p_ttft *= 1.0 - _backlog_missed(backlog, slack, rho, horizon_s)
+        good = lam * p_ttft * _tpot_within(tpot, slo.tpot_ms, lam, pre, out, rho, share)
         return _Server(ttft, tpot, good, lam * out, False, gap_tails(lam, tpot, step, pre), b)
     at_mu = _serve(costs, degree, mu * 0.999, prompt, out, cap) if mu > 0 else None
     if at_mu is None:  # cannot serve even one request at a time
@@ -219,9 +278,9 @@ def _server(
     base = step / 2.0 + pre + queued * pre
     growth = max(1e-6, (lam - mu) / mu)  # seconds of wait added per second of the phase
     meet_s = max(0.0, (slo.ttft_ms - base) / 1000.0) / growth
-    share = min(1.0, meet_s / horizon_s)
+    meeting = min(1.0, meet_s / horizon_s)
     ttft = base + 1000.0 * growth * horizon_s / 2.0  # the mean over the phase
-    good = lam * share * _tpot_factor(tpot, slo.tpot_ms)
+    good = lam * meeting * _tpot_within(tpot, slo.tpot_ms, mu, pre, out, rho, share)
     return _Server(ttft, tpot, min(good, mu), mu * out, True, (step + pre, step + pre), b)
 
 
@@ -246,7 +305,7 @@ def predict(
     total = sum(caps) or 1.0
     results = [
         _server(costs, d, rate * c / total, prompt, output, queued * c / total, slo,
-                horizon_s, _cap(d, engine_kv_tokens, prompt, output), c)
+                horizon_s, _cap(d, engine_kv_tokens, prompt, output), c, c / total)
         for d, c in zip(layout.servers, caps, strict=True)
     ]
     shares = [c / total for c in caps]
