@@ -5,7 +5,7 @@ the rate the node is about to serve (``scheduler.traffic``) with the queue it ha
 keeps or changes its layout:
 
 - the best layout is the one with the highest predicted goodput; layouts within
-  ``GOODPUT_TIE`` of it count as equal, and among equals one that keeps up with the
+  ``GOODPUT_TIE`` of it (or of the rate, where that is more) count as equal, and among equals one that keeps up with the
   rate, then the lowest predicted end-to-end latency (TTFT + output x TPOT) wins, but
   a layout with groups only where it is faster by ``latency_gain`` (the
   ``--flying-tp-gain`` margin: a group that is barely faster does not earn back
@@ -28,10 +28,13 @@ keeps or changes its layout:
 - the candidates are the uniform layouts (DP, or every engine in groups of one
   degree): a mixed one is not what the mechanism runs (``LayoutChooser.__init__``);
 - hysteresis: a goodput gain must exceed ``GOODPUT_MARGIN`` of the current layout's
-  goodput across the rate estimate's uncertainty (at the rate, and one standard
-  error below and above it: a Poisson stream's 30 s window varies by +-15 % at 1.5
-  req/s; at the band's edges the gain in the share within SLO counts, so behind one
-  arrival a layout that meets the SLOs where the current one misses them wins), a
+  goodput (and ``GOODPUT_TIE`` of the rate) across the rate estimate's uncertainty
+  (at the rate, and one standard error below and above it: a Poisson stream's 30 s
+  window varies by +-15 % at 1.5 req/s; at the band's edges the gain in the share
+  within SLO counts, so behind one arrival a layout that meets the SLOs where the
+  current one misses them wins; a gain that is not one across the band is a tie,
+  which latency may decide under its own rules) and keep ``HOLD`` of itself at the
+  costs the steps run at now, a
   change for latency must not lose goodput, and a layout is kept at least ``DWELL_S``
   seconds (unless another predicts over ``DWELL_BREAK`` x its goodput), so a steady
   rate near the crossover does not flap; a layout with groups is left for its tails

@@ -15,9 +15,11 @@ rate ``lam`` (req/s) of requests with ``P`` prompt and ``O`` output tokens:
 - TTFT: the rest of the step in flight, the prefill queue and the waiting requests
   already at the node, then its own prefill;
 - within SLO: ``P(TTFT <= slo)`` with an exponential queueing tail (M/M/1 shape:
-  ``P(wait > t) = rho exp(-(1 - rho) t / S)``) times the share of requests whose TPOT
-  is within its SLO (``_tpot_within``: the number of prefills a request's life meets
-  varies, so a layout past the TPOT SLO on average still serves some within it);
+  ``P(wait > t) = rho exp(-(1 - rho) t / S)``), less the arrivals that wait behind the
+  requests already waiting until those have drained (``_backlog_missed``), times the
+  share of requests whose TPOT is within its SLO (``_tpot_within``: the number of
+  prefills a request's life meets varies, so a layout past the TPOT SLO on average
+  still serves some within it);
 - saturated (``lam`` above the capacity ``mu``): the queue grows for the whole phase
   (``horizon_s``); requests meet the TTFT SLO only while the queue's wait is below it,
   i.e. those arriving in the first ``t* = slack * mu / (lam - mu)`` seconds.
