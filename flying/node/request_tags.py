@@ -202,6 +202,20 @@ def _is_generation(obj) -> bool:
     return isinstance(obj, GenerateReqInput)
 
 
+def refuse_empty(obj, input_ids) -> None:
+    """A prompt of no tokens (``"text": ""`` where the tokenizer adds no BOS, ``"input_ids":
+    []``, a completion's empty prompt) is an HTTP 400: SGLang 0.5.23 passes it to its
+    scheduler, whose extend step raises on it (a reshape of 0 tokens) and takes the
+    engine down with every request on it. Requests carrying embeddings or media are
+    SGLang's to check."""
+    if input_ids is None or len(input_ids) > 0:
+        return
+    if any(getattr(obj, name, None) is not None
+           for name in ("input_embeds", "image_data", "video_data", "audio_data")):
+        return
+    raise ValueError("the prompt is empty (0 tokens): send at least one token")
+
+
 def place(obj, input_ids, manager) -> None:
     """Decide TP/DP for one (sub-)request: explicit degree, long context, priority,
     static-tp; features that run in DP only. Rejects (ValueError: HTTP 400) what not even

@@ -85,6 +85,24 @@ def test_bad_routing_keys_are_400(dp2_server, path, payload, headers, needle):
 
 
 @pytest.mark.parametrize(
+    "path,payload,headers",
+    [
+        ("/generate", {"text": "", "sampling_params": {"max_new_tokens": 4}}, {}),
+        ("/generate", {"input_ids": [], "sampling_params": {"max_new_tokens": 4}}, {}),
+        ("/generate", {"text": "", "sampling_params": {"max_new_tokens": 4}}, TP2),
+        ("/v1/completions", {"model": "demo", "prompt": "", "max_tokens": 4}, {}),
+    ],
+)
+def test_an_empty_prompt_is_400_and_the_node_serves_on(dp2_server, path, payload, headers):
+    """SGLang's scheduler raises on a prompt of no tokens and the engine went down with
+    it (the demo tokenizer adds no BOS, so ``"text": ""`` is 0 tokens)."""
+    resp = dp2_server.post(path, payload, headers=headers)
+    assert resp.status_code == 400, resp.text
+    assert "empty" in _error(resp)
+    _alive(dp2_server)
+
+
+@pytest.mark.parametrize(
     "path,payload,headers,needle",
     [
         ("/generate", {"text": "x"}, {"X-Priority": "urgent"}, "X-Priority"),

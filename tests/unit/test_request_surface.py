@@ -794,3 +794,13 @@ def test_the_controller_logs_upgrade_asks_and_starts_its_log_before_any_bind(cfg
     assert lines[2]["decision"] == {"mode": "tp", "degree": 2, "reason": "long context"}
     assert replay.main([str(log)]) == 0
     assert replay.main([str(log), "--config", '{"policy": "manual"}']) == 1
+
+
+def test_an_empty_prompt_is_refused_unless_it_carries_embeddings_or_media():
+    bare = SimpleNamespace(input_embeds=None, image_data=None, video_data=None, audio_data=None)
+    with pytest.raises(ValueError, match="empty"):
+        request_tags.refuse_empty(bare, [])
+    request_tags.refuse_empty(bare, [1])
+    request_tags.refuse_empty(bare, None)  # not tokenized here: SGLang's to check
+    request_tags.refuse_empty(SimpleNamespace(input_embeds=[[0.0]]), [])
+    request_tags.refuse_empty(SimpleNamespace(image_data=["x.png"]), [])
