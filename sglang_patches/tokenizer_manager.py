@@ -3,8 +3,9 @@
 - ``generate_request`` (around): validate and apply Flying's request controls (every
   endpoint — /generate and the OpenAI ones — passes through here with its raw request);
   when the request's handler ends, however it ends, drop its placement state.
-- ``_validate_one_request`` (around): an empty prompt -> 400 (SGLang's scheduler raises
-  on it); the policy's per-request placement (priority,
+- ``_validate_one_request`` (around): an empty prompt or a token id outside the
+  vocabulary -> 400 (SGLang's forward raises on them); the policy's per-request
+  placement (priority,
   long context, DP-only features; too long for the node or a forced group the request
   cannot run in -> 400), and a TP-m request may use m engines' KV.
 - ``_handle_batch_output`` (around): add ``meta_info["flying"]`` (where it ran); when a
@@ -21,7 +22,7 @@ from flying.node.request_tags import (
     engine_report,
     place,
     placement,
-    refuse_empty,
+    refuse_bad_prompt,
     request_ended,
     tag_request,
     where_it_ran,
@@ -40,7 +41,7 @@ async def generate_request(original, manager, obj, request=None):
 
 
 def validate_one_request(original, manager, obj, input_ids):
-    refuse_empty(obj, input_ids)
+    refuse_bad_prompt(obj, input_ids, getattr(manager.model_config, "vocab_size", None))
     if getattr(obj, "sampling_params", None) is not None:  # generation, not embedding
         place(obj, input_ids, manager)
     degree = degree_of(obj)

@@ -202,18 +202,26 @@ def _is_generation(obj) -> bool:
     return isinstance(obj, GenerateReqInput)
 
 
-def refuse_empty(obj, input_ids) -> None:
-    """A prompt of no tokens (``"text": ""`` where the tokenizer adds no BOS, ``"input_ids":
-    []``, a completion's empty prompt) is an HTTP 400: SGLang 0.5.23 passes it to its
-    scheduler, whose extend step raises on it (a reshape of 0 tokens) and takes the
-    engine down with every request on it. Requests carrying embeddings or media are
-    SGLang's to check."""
-    if input_ids is None or len(input_ids) > 0:
+def refuse_bad_prompt(obj, input_ids, vocab_size: int | None) -> None:
+    """HTTP 400 for a prompt SGLang 0.5.23 passes to its scheduler whose forward then
+    raises and takes the engine down with every request on it: one of no tokens
+    (``"text": ""`` where the tokenizer adds no BOS, ``"input_ids": []``, a completion's
+    empty prompt: a reshape of 0 tokens) or a token id outside the model's vocabulary
+    (``"input_ids": [1, 99999]``: the embedding's index error, in a group and then in
+    DP where the request was re-run). Requests carrying embeddings or media are SGLang's
+    to check."""
+    if input_ids is None or any(
+            getattr(obj, name, None) is not None
+            for name in ("input_embeds", "image_data", "video_data", "audio_data")):
         return
-    if any(getattr(obj, name, None) is not None
-           for name in ("input_embeds", "image_data", "video_data", "audio_data")):
-        return
-    raise ValueError("the prompt is empty (0 tokens): send at least one token")
+    if len(input_ids) == 0:
+        raise ValueError("the prompt is empty (0 tokens): send at least one token")
+    if vocab_size:
+        low, high = min(input_ids), max(input_ids)
+        if low < 0 or high >= vocab_size:
+            bad = low if low < 0 else high
+            raise ValueError(f"input_ids holds token id {bad}, outside the model's "
+                             f"vocabulary [0, {vocab_size})")
 
 
 def place(obj, input_ids, manager) -> None:

@@ -91,14 +91,20 @@ def test_bad_routing_keys_are_400(dp2_server, path, payload, headers, needle):
         ("/generate", {"input_ids": [], "sampling_params": {"max_new_tokens": 4}}, {}),
         ("/generate", {"text": "", "sampling_params": {"max_new_tokens": 4}}, TP2),
         ("/v1/completions", {"model": "demo", "prompt": "", "max_tokens": 4}, {}),
+        ("/generate", {"input_ids": [1, 99999], "sampling_params": {"max_new_tokens": 4}}, {}),
+        ("/generate", {"input_ids": [1, 99999], "sampling_params": {"max_new_tokens": 4}}, TP2),
+        ("/generate", {"input_ids": [-5, 1], "sampling_params": {"max_new_tokens": 4}}, {}),
+        ("/v1/completions", {"model": "demo", "prompt": [1, 99999], "max_tokens": 4}, {}),
     ],
 )
-def test_an_empty_prompt_is_400_and_the_node_serves_on(dp2_server, path, payload, headers):
-    """SGLang's scheduler raises on a prompt of no tokens and the engine went down with
-    it (the demo tokenizer adds no BOS, so ``"text": ""`` is 0 tokens)."""
+def test_an_empty_prompt_or_an_unknown_token_is_400_and_the_node_serves_on(
+        dp2_server, path, payload, headers):
+    """SGLang's forward raises on a prompt of no tokens (the demo tokenizer adds no BOS,
+    so ``"text": ""`` is 0 tokens) and on a token id outside the vocabulary, and the
+    engine went down with it: in a group, then in DP where containment re-ran it."""
     resp = dp2_server.post(path, payload, headers=headers)
     assert resp.status_code == 400, resp.text
-    assert "empty" in _error(resp)
+    assert "empty" in _error(resp) or "vocabulary" in _error(resp)
     _alive(dp2_server)
 
 

@@ -796,11 +796,16 @@ def test_the_controller_logs_upgrade_asks_and_starts_its_log_before_any_bind(cfg
     assert replay.main([str(log), "--config", '{"policy": "manual"}']) == 1
 
 
-def test_an_empty_prompt_is_refused_unless_it_carries_embeddings_or_media():
+def test_an_empty_prompt_or_an_id_outside_the_vocabulary_is_refused():
     bare = SimpleNamespace(input_embeds=None, image_data=None, video_data=None, audio_data=None)
     with pytest.raises(ValueError, match="empty"):
-        request_tags.refuse_empty(bare, [])
-    request_tags.refuse_empty(bare, [1])
-    request_tags.refuse_empty(bare, None)  # not tokenized here: SGLang's to check
-    request_tags.refuse_empty(SimpleNamespace(input_embeds=[[0.0]]), [])
-    request_tags.refuse_empty(SimpleNamespace(image_data=["x.png"]), [])
+        request_tags.refuse_bad_prompt(bare, [], 512)
+    with pytest.raises(ValueError, match="token id 512, outside .* \\[0, 512\\)"):
+        request_tags.refuse_bad_prompt(bare, [1, 512], 512)
+    with pytest.raises(ValueError, match="token id -5"):
+        request_tags.refuse_bad_prompt(bare, [-5, 1], 512)
+    request_tags.refuse_bad_prompt(bare, [0, 511], 512)
+    request_tags.refuse_bad_prompt(bare, [1, 9999], None)  # no vocabulary known
+    request_tags.refuse_bad_prompt(bare, None, 512)  # not tokenized here: SGLang's to check
+    request_tags.refuse_bad_prompt(SimpleNamespace(input_embeds=[[0.0]]), [], 512)
+    request_tags.refuse_bad_prompt(SimpleNamespace(image_data=["x.png"]), [], 512)
