@@ -412,9 +412,10 @@ class LayoutChooser:
             interleave_lost(cur, new, left, traffic.rate, output, slo)
         gain = new.goodput - cur.goodput
         tie = abs(gain) <= GOODPUT_TIE * max(new.goodput, cur.goodput, traffic.rate)
-        if not tie and gain > _margin(cur.goodput, traffic.rate):
+        margin = _margin(cur.goodput, traffic.rate)
+        if not tie and gain > margin:
             gain = self._robust_gain(best, costs, traffic, queued, slo)
-            if gain <= _margin(cur.goodput, traffic.rate):  # a tie somewhere in the band
+            if gain <= margin:  # a tie somewhere in the band
                 if cur.saturated or new.saturated or regroup or not (
                         self._latency_may_take(best, reach, costs, top, upper)
                         and self._latency(best, new, output)
@@ -422,7 +423,7 @@ class LayoutChooser:
                     return Choice(self.current, f"goodput: keep {cur.layout} ({best.name} "
                                   "not better across the rate's uncertainty)", briefs)
                 tie = True  # latency may decide it, as any tie
-        if not tie and gain > _margin(cur.goodput, traffic.rate):
+        if not tie and gain > margin:
             if not self._holds_loaded(best, costs, traffic, queued, slo, gain):
                 return Choice(self.current, f"goodput: keep {cur.layout} ({best.name} not "
                               "better at the costs the steps run at now)", briefs)
