@@ -53,7 +53,7 @@ from dataclasses import dataclass
 
 from scheduler.costs import Costs
 from scheduler.relayout import MAX_JOIN
-from scheduler.service import Layout, Prediction, Slo, layouts, predict
+from scheduler.service import TPOT_EDGE, Layout, Prediction, Slo, layouts, predict
 from scheduler.traffic import Traffic
 
 #: Goodputs this close (a share of the larger one, or of the rate where that is more:
@@ -141,32 +141,58 @@ class Choice:
     predictions: dict[str, dict]
 
 
+#: Points of the midpoint sums ``interleave_lost`` integrates over.
+_POINTS = 32
+
+
+def _past(tpot: float, slo: float) -> float:
+    """The share of requests at a mean TPOT of ``tpot`` that miss ``slo``: the steps
+    spread at least uniformly within ``TPOT_EDGE`` of the SLO about the mean
+    (``scheduler.service``), so a mean just under the SLO still puts some past it."""
+    edge = TPOT_EDGE * slo
+    return min(1.0, max(0.0, (tpot - slo + edge) / (2.0 * edge))) if edge > 0 else \
+        float(tpot > slo)
+
+
 def interleave_lost(cur: Prediction, new: Prediction, running: int, rate: float,
                     output: float, slo: Slo) -> float:
     """Requests expected to miss the TPOT SLO because a switch from DP to groups is
-    taken while DP requests run on the members, that would have met it in DP.
+    taken while DP requests run on the members, that would have met it undisturbed.
 
     Until those finish, each member runs one DP step between group steps, so both kinds
     of request stream at ``cur.tpot + new.tpot`` for ``D = output / 2 x (cur.tpot +
     new.tpot)`` ms (the running ones' mean remaining output). A running DP request with
-    ``r`` of its ``output`` tokens left averages ``cur + new x r / output``: past the
-    SLO for ``r / output > (slo - cur) / new``. A group request arriving ``u`` ms into
-    ``D`` spends ``D - u`` of its undisturbed life ``L = output x new`` slowed, and
-    misses where ``cur x (D - u) / L > slo - new``. (Measured-kernel GPU profiles:
+    ``r`` of its ``output`` tokens left averages ``cur + new x r / output``; a group
+    request arriving ``u`` ms into ``D`` spends ``D - u`` of its undisturbed life
+    ``L = output x new`` slowed, averaging ``new + cur x min(1, (D - u) / L)``. Each
+    counts by how much more likely it is to miss the SLO than at its undisturbed TPOT
+    (``_past``: a mean within ``TPOT_EDGE`` of the SLO misses in part), summed over
+    ``r`` uniform in the output and ``u`` over the drain. (Measured-kernel GPU profiles:
     a DP step of one or two requests costs almost a full step, so interleaving doubles
     the group's cadence: simulated on Llama-3-8B, 8 x H100, the switch at a burst's
-    start put 282 requests past the SLO.)"""
+    start put 282 requests past the SLO. And a cadence just under the SLO is not safe:
+    8B on 8 H100s (first principles) at a steady 10 req/s, DP at 6.5 ms and TP-8 at
+    1.8 against a 9 ms SLO, the node took TP-8 for latency six times with 16 DP requests
+    beside it, each counted as losing none, and 112 requests missed the SLO where both
+    static layouts served all.)"""
     both = cur.tpot_ms + new.tpot_ms
-    if running <= 0 or both <= slo.tpot_ms or new.tpot_ms <= 0 or cur.tpot_ms <= 0:
+    if running <= 0 or new.tpot_ms <= 0 or cur.tpot_ms <= 0:
         return 0.0
     if cur.tpot_ms >= slo.tpot_ms:  # DP misses the SLO already: nothing to lose
         return 0.0
-    share = min(1.0, max(0.0, 1.0 - (slo.tpot_ms - cur.tpot_ms) / new.tpot_ms))
+    tpot = slo.tpot_ms
+    mids = [(i + 0.5) / _POINTS for i in range(_POINTS)]
+    base = _past(cur.tpot_ms, tpot)
+    lost_running = sum(max(0.0, _past(cur.tpot_ms + new.tpot_ms * f, tpot) - base)
+                       for f in mids) / _POINTS
     drain_ms = output / 2 * both
     life_ms = output * new.tpot_ms
-    slowed_ms = max(0.0, drain_ms - life_ms * max(0.0, slo.tpot_ms - new.tpot_ms)
-                    / cur.tpot_ms)
-    return running * share + rate * slowed_ms / 1000.0
+    base = _past(new.tpot_ms, tpot)
+    lost_arriving = sum(
+        max(0.0, _past(new.tpot_ms + cur.tpot_ms * min(1.0, (1.0 - f) * drain_ms / life_ms),
+                       tpot) - base)
+        for f in mids) / _POINTS
+    return running * lost_running + rate * drain_ms / 1000.0 * lost_arriving
 
 
 def interleave_ms(cur: Prediction, new: Prediction, running: int, rate: float,
@@ -290,7 +316,7 @@ class LayoutChooser:
 
     def _best(self, preds: dict[Layout, Prediction], output: float,
               costs: Costs | None = None, rate: float = 0.0,
-              upper: dict[Layout, Prediction] | None = None) -> Layout:
+              edges: tuple[dict[Layout, Prediction], ...] = ()) -> Layout:
         """The highest goodput; among ties a layout that keeps up with the rate before
         one that does not, then the lowest latency; where every tie is saturated (an
         overload: goodput ~0 everywhere, and the latency of a saturated layout says
@@ -313,7 +339,7 @@ class LayoutChooser:
 
         Both hold across the rate's uncertainty: ``rate`` (the light test's) is the
         upper edge of its one-standard-error band, and the tails are checked at the rate
-        and at that edge (``upper``). On the hidden-1024 model a round's second arrival,
+        and at both edges (``edges``). On the hidden-1024 model a round's second arrival,
         2.7 s after its first, read 0.73 req/s, under half the group's predicted
         capacity, and the round's burst joined the group; and a group's tails grow with
         the rate twice as fast as DP's (it takes every arrival), so a rate read from a
@@ -328,21 +354,21 @@ class LayoutChooser:
             return max(equal, key=lambda lay: (preds[lay].throughput, -lay.groups))
         if costs is not None:
             fast = [lay for lay in keeping_up
-                    if self._latency_may_take(lay, preds, costs, rate, upper)]
+                    if self._latency_may_take(lay, preds, costs, rate, edges)]
             keeping_up = fast or keeping_up
         return min(keeping_up, key=lambda lay: (self._latency(lay, preds[lay], output), lay.groups))
 
     def _latency_may_take(self, lay: Layout, preds: dict[Layout, Prediction], costs: Costs,
-                          rate: float, upper: dict[Layout, Prediction] | None) -> bool:
+                          rate: float, edges: tuple[dict[Layout, Prediction], ...]) -> bool:
         """Whether latency may pick ``lay`` over a goodput tie (``_best``'s rules): DP
         always; a layout with groups where its degree's step is ``latency_gain`` faster,
-        the load light at ``rate`` and its tails within DP's at the rate and at
-        ``upper``."""
+        the load light at ``rate`` and its tails within DP's at the rate and at each of
+        ``edges`` (the predictions at the rate band's edges)."""
         return not lay.groups or (
             (costs.gain(lay.tp_degree) or -1.0) >= self.latency_gain
             and rate <= LIGHT * self.capacity(lay)
             and not self._tails_over(lay, preds)
-            and not (upper and lay in upper and self._tails_over(lay, upper)))
+            and not any(lay in e and self._tails_over(lay, e) for e in edges))
 
     def _tails_over(self, lay: Layout, preds: dict[Layout, Prediction],
                     tolerance: float = TAIL_TOLERANCE) -> bool:
@@ -384,13 +410,14 @@ class LayoutChooser:
             return Choice(self.current, "goodput: a mode is unmeasured; DP", briefs)
         output = traffic.output or 128.0
         reach = {lay: p for lay, p in preds.items() if self._within_reach(lay, p, costs)}
-        # A latency bet holds across the rate's band: light load and tails are checked
-        # at its upper edge too (one arrival's rate is the 1 s floor, not an estimate).
-        upper, top = None, traffic.rate
+        # A latency bet holds across the rate's band: light load is checked at its upper
+        # edge (one arrival's rate is the 1 s floor, not an estimate), tails at both.
+        edges: tuple[dict[Layout, Prediction], ...] = ()
+        top = traffic.rate
         if traffic.behind >= 2 and any(lay.groups for lay in reach):
             top = _band_edge(traffic, 1.0)
-            upper = self.predict_all(costs, traffic, queued, slo, top)
-        best = self._best(reach, output, costs, top, upper)
+            edges = (self.predict_all(costs, traffic, queued, slo, top),)
+        best = self._best(reach, output, costs, top, edges)
         cur, new = preds[self.current], preds[best]
         if best == self.current:
             return Choice(self.current, f"goodput: {cur.layout} predicted best", briefs)
@@ -417,7 +444,7 @@ class LayoutChooser:
             gain = self._robust_gain(best, costs, traffic, queued, slo)
             if gain <= margin:  # a tie somewhere in the band
                 if cur.saturated or new.saturated or regroup or not (
-                        self._latency_may_take(best, reach, costs, top, upper)
+                        self._latency_may_take(best, reach, costs, top, edges)
                         and self._latency(best, new, output)
                         < self._latency(self.current, cur, output)):
                     return Choice(self.current, f"goodput: keep {cur.layout} ({best.name} "
@@ -432,7 +459,8 @@ class LayoutChooser:
         elif (tie and not (cur.saturated or new.saturated)  # light load: its gaps decide
               and not regroup and traffic.behind >= TAIL_MIN_ARRIVALS
               and traffic.rate <= LIGHT * self.capacity(self.current)
-              and self._tails_over(self.current, preds, TAIL_LEAVE)):
+              and self._tails_over(self.current, preds, TAIL_LEAVE)
+              and all(self._tails_over(self.current, e, TAIL_LEAVE) for e in edges)):
             # each request of the horizon is spared at least one such gap; the switch
             # (moves to DP) delays what it delays
             spared = cur.itl_tails_ms[1] - preds[self.candidates[0]].itl_tails_ms[1]
