@@ -672,6 +672,32 @@ def test_dp_requests_a_group_takes_in_do_not_count_against_switching_to_it():
     assert LayoutChooser(8, (2,), 10.0, 0.1, 1e6).beside(TP2, 40) == 40
 
 
+def test_a_goodput_gain_takes_the_layout_that_leaves_no_dp_request_beside_its_groups():
+    """DP misses half its requests; a TP-8 group and four TP-2 groups serve all (a tie,
+    TP-8 the faster). With 30 DP requests running, TP-8 takes 8 in and leaves 22 running
+    their DP steps between its own, putting some of them and of its first arrivals past
+    the TPOT SLO; the TP-2 groups take all 30 in. The gain goes to TP-2 (simulated,
+    Llama-3-70B on 4 H200s at 4 req/s: 1xTP4 beside 4 DP requests lost 143 requests to
+    the SLO, 2xTP2 none)."""
+    preds = {DP8: _pred(DP8, 5.0, tpot=8.0), TP8: _pred(TP8, 10.0, tpot=4.6),
+             TP4: _pred(TP4, 4.0, tpot=6.0), TP2: _pred(TP2, 9.95, tpot=5.0)}
+    chooser = LayoutChooser(8, (2, 4, 8), 10.0, 0.1, 1e6, joins=True)
+    chooser.predict_all = lambda *a, **k: preds
+    chooser._within_reach = lambda *a: True
+    chooser._robust_gain = lambda lay, *a: preds[lay].goodput - preds[chooser.current].goodput
+    chooser.capacity = lambda lay: 1e9
+    traffic = Traffic(0.0, 10.0, 10.0, 2000.0, 300.0, 100, 100)
+    costs = Costs({1: 8.0}, {})  # no group measured: latency's own rules stay out
+    assert chooser._best(preds, 300.0, costs, 10.0) == TP8  # by goodput, then latency
+    choice = chooser._choose(0.0, costs, traffic, 30, 0, Slo(220.0, 11.5),
+                             SwitchCosts(2.0, 0.4))
+    assert choice.layout == TP2, choice.reason
+    # with nothing running nothing is left beside a group: the faster one
+    chooser.current, chooser.since = DP8, -100.0
+    assert chooser._choose(0.0, costs, traffic, 0, 0, Slo(220.0, 11.5),
+                           SwitchCosts(2.0, 0.4)).layout == TP8
+
+
 def test_interleave_lost_counts_the_running_and_the_arrivals_past_the_slo(monkeypatch):
     cur, new = _pred(DP8, 10.0, tpot=8.0), _pred(TP8, 10.0, tpot=4.6)
     slo = Slo(220.0, 11.5)
@@ -690,7 +716,8 @@ def test_interleave_lost_counts_the_running_and_the_arrivals_past_the_slo(monkey
     # puts some past it (8B, 8 H100s, steady 10 req/s: 112 misses where none was counted)
     assert interleave_lost(cur, new, 40, 10.0, 300.0, Slo(220.0, 12.7)) > 1.0
     assert interleave_lost(cur, new, 40, 10.0, 300.0, Slo(220.0, 14.1)) == 0.0
-    assert interleave_lost(_pred(DP8, 10.0, tpot=12.0), new, 40, 10.0, 300.0, slo) == 0.0
+    # DP past the SLO: its requests and the arrivals it would not have served count none
+    assert interleave_lost(_pred(DP8, 10.0, tpot=13.0), new, 40, 10.0, 300.0, slo) == 0.0
 
 
 def test_stretch_scales_each_mode_a_group_at_least_as_one_engine():
