@@ -11,6 +11,8 @@ Stages, in session order:
 - ``bind``: before the member votes in the rendezvous (the bind is aborted everywhere);
 - ``join``: running DP requests are joining the forming group (``join.gather``), after
   the members agreed on them;
+- ``take_out``: a source has taken its joining requests out of its DP batch, before
+  carrying them (``join._take_out``);
 - ``scope``: inside the mode scope, before the request is handed to SGLang;
 - ``step``: between two group steps (the peers wait at the next collective);
 - ``sample``: inside the per-step token sync, i.e. mid-collective for the peers;
@@ -27,7 +29,7 @@ import os
 ENV = "FLYING_TEST_FAULTS"
 KEY = "flying/test/fault"
 _ABSENT = "-"  # what ``refresh`` reads for "no fault armed"
-STAGES = ("bind", "join", "scope", "step", "sample", "move", "release")
+STAGES = ("bind", "join", "take_out", "scope", "step", "sample", "move", "release")
 
 
 class InjectedFault(RuntimeError):

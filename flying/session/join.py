@@ -201,7 +201,7 @@ def _carry_all(member, scheduler, joining: Joining, picked: list,
     try:
         for src in sorted({c[0] for c in joined}):
             lens = [c[1] for c in joined if c[0] == src]
-            block, payload = (_take_out(scheduler, picked[: len(lens)]) if src == me
+            block, payload = (_take_out(scheduler, picked[: len(lens)], faults) if src == me
                               else (None, b""))
             part = Joining(picked[: len(lens)] if src == me else [], lens, None, [],
                            joining.t_agreed, block, source=src == me)
@@ -377,9 +377,10 @@ def _padded(values: list[int]) -> list[int]:
     return [*values, *[0] * (MAX_JOIN - len(values))]
 
 
-def _take_out(scheduler, reqs: list) -> tuple[torch.Tensor, bytes]:
+def _take_out(scheduler, reqs: list, faults=None) -> tuple[torch.Tensor, bytes]:
     """Leader, DP state: the requests' KV (every head) and their pickled state; they
-    leave the DP batch and their rows go back to the prefix cache (tokens kept)."""
+    leave the DP batch and their rows go back to the prefix cache (tokens kept). If
+    that fails once they left, they go on in DP (``restore``) before it propagates."""
     from sglang.srt.mem_cache.common import release_kv_cache
 
     table = scheduler.req_to_token_pool.req_to_token
@@ -392,20 +393,34 @@ def _take_out(scheduler, reqs: list) -> tuple[torch.Tensor, bytes]:
     batch.filter_batch(keep_indices=keep)
     for req in reqs:
         release_kv_cache(req, scheduler.tree_cache, checkpoint=True)
-    return block, pickled(reqs)
+    try:
+        if faults is not None:
+            faults.check("take_out")
+        return block, pickled(reqs)
+    except BaseException:  # out of DP and not yet carried: they go on in DP
+        restore(scheduler, Joining(list(reqs), lens, None, full=block, source=True))
+        raise
+
+
+#: What a request's copy must not share with the leader's: its tokenizer, tree locks,
+#: timing state and, under ``--enable-metrics``, the leader's Prometheus collector
+#: (its metrics hold thread locks, which do not pickle: a join then failed the group).
+_NOT_COPIED = ("tokenizer", "lock", "last_node", "time_stats", "metrics_collector")
 
 
 def pickled(reqs: list) -> bytes:
-    """The requests' state without what a copy must not share (tokenizer, tree locks,
-    the leader's timing and metrics state)."""
-    saved = [(r.tokenizer, r.lock, r.last_node, r.time_stats) for r in reqs]
+    """The requests' state without what a copy must not share (``_NOT_COPIED``; a copy
+    gets its member's tokenizer and fresh timing state in ``_copies``)."""
+    saved = [[getattr(r, name, None) for name in _NOT_COPIED] for r in reqs]
     try:
         for r in reqs:
-            r.tokenizer = r.lock = r.last_node = r.time_stats = None
+            for name in _NOT_COPIED:
+                setattr(r, name, None)
         return pickle.dumps(reqs, protocol=pickle.HIGHEST_PROTOCOL)
     finally:
-        for r, (tok, lock, node, stats) in zip(reqs, saved, strict=True):
-            r.tokenizer, r.lock, r.last_node, r.time_stats = tok, lock, node, stats
+        for r, values in zip(reqs, saved, strict=True):
+            for name, value in zip(_NOT_COPIED, values, strict=True):
+                setattr(r, name, value)
 
 
 def _copies(scheduler, payload: bytes) -> list:
@@ -413,7 +428,7 @@ def _copies(scheduler, payload: bytes) -> list:
     from sglang.srt.observability.req_time_stats import SchedulerReqTimeStats
 
     reqs = pickle.loads(payload)
-    for r in reqs:
+    for r in reqs:  # no metrics collector: the source's request reports its metrics once
         r.tokenizer = scheduler.tokenizer
         r.time_stats = SchedulerReqTimeStats()
     return reqs
