@@ -322,7 +322,7 @@ class LayoutChooser:
 
     def _best(self, preds: dict[Layout, Prediction], output: float,
               costs: Costs | None = None, rate: float = 0.0,
-              edges: tuple[dict[Layout, Prediction], ...] = ()) -> Layout:
+              upper: dict[Layout, Prediction] | None = None) -> Layout:
         """The highest goodput; among ties a layout that keeps up with the rate before
         one that does not, then the lowest latency; where every tie is saturated (an
         overload: goodput ~0 everywhere, and the latency of a saturated layout says
@@ -345,7 +345,7 @@ class LayoutChooser:
 
         Both hold across the rate's uncertainty: ``rate`` (the light test's) is the
         upper edge of its one-standard-error band, and the tails are checked at the rate
-        and at both edges (``edges``). On the hidden-1024 model a round's second arrival,
+        and at that edge (``upper``). On the hidden-1024 model a round's second arrival,
         2.7 s after its first, read 0.73 req/s, under half the group's predicted
         capacity, and the round's burst joined the group; and a group's tails grow with
         the rate twice as fast as DP's (it takes every arrival), so a rate read from a
@@ -360,21 +360,21 @@ class LayoutChooser:
             return max(equal, key=lambda lay: (preds[lay].throughput, -lay.groups))
         if costs is not None:
             fast = [lay for lay in keeping_up
-                    if self._latency_may_take(lay, preds, costs, rate, edges)]
+                    if self._latency_may_take(lay, preds, costs, rate, upper)]
             keeping_up = fast or keeping_up
         return min(keeping_up, key=lambda lay: (self._latency(lay, preds[lay], output), lay.groups))
 
     def _latency_may_take(self, lay: Layout, preds: dict[Layout, Prediction], costs: Costs,
-                          rate: float, edges: tuple[dict[Layout, Prediction], ...]) -> bool:
+                          rate: float, upper: dict[Layout, Prediction] | None) -> bool:
         """Whether latency may pick ``lay`` over a goodput tie (``_best``'s rules): DP
         always; a layout with groups where its degree's step is ``latency_gain`` faster,
-        the load light at ``rate`` and its tails within DP's at the rate and at each of
-        ``edges`` (the predictions at the rate band's edges)."""
+        the load light at ``rate`` and its tails within DP's at the rate and at
+        ``upper``."""
         return not lay.groups or (
             (costs.gain(lay.tp_degree) or -1.0) >= self.latency_gain
             and rate <= LIGHT * self.capacity(lay)
             and not self._tails_over(lay, preds)
-            and not any(lay in e and self._tails_over(lay, e) for e in edges))
+            and not (upper and lay in upper and self._tails_over(lay, upper)))
 
     def _tails_over(self, lay: Layout, preds: dict[Layout, Prediction],
                     tolerance: float = TAIL_TOLERANCE) -> bool:
@@ -408,7 +408,8 @@ class LayoutChooser:
         return p.group_batch <= REACH * costs.measured_batch(lay.tp_degree)
 
     def _net_of_interleave(self, preds: dict[Layout, Prediction], cur: Prediction,
-                           running: int, traffic: Traffic, slo: Slo) -> dict[Layout, Prediction]:
+                           running: int, rate: float, output: float,
+                           slo: Slo) -> dict[Layout, Prediction]:
         """``preds`` with each layout with groups charged, over the horizon, the requests
         its switch from DP would put past the TPOT SLO by interleaving with the DP
         requests it leaves beside its groups (``interleave_lost``). Among layouts of about
@@ -423,8 +424,7 @@ class LayoutChooser:
         out = dict(preds)
         for lay, p in preds.items():
             if lay.groups:
-                lost = interleave_lost(cur, p, self.beside(lay, running), traffic.rate,
-                                       traffic.output or 128.0, slo)
+                lost = interleave_lost(cur, p, self.beside(lay, running), rate, output, slo)
                 out[lay] = replace(p, goodput=max(0.0, p.goodput - lost / self.horizon_s))
         return out
 
@@ -437,20 +437,22 @@ class LayoutChooser:
             return Choice(self.current, "goodput: a mode is unmeasured; DP", briefs)
         output = traffic.output or 128.0
         reach = {lay: p for lay, p in preds.items() if self._within_reach(lay, p, costs)}
-        # A latency bet holds across the rate's band: light load is checked at its upper
-        # edge (one arrival's rate is the 1 s floor, not an estimate), tails at both.
-        edges: tuple[dict[Layout, Prediction], ...] = ()
-        top = traffic.rate
+        # A latency bet holds across the rate's band: light load and tails are checked
+        # at its upper edge too (one arrival's rate is the 1 s floor, not an estimate);
+        # so is leaving a group for its tails.
+        upper, top = None, traffic.rate
         if traffic.behind >= 2 and any(lay.groups for lay in reach):
             top = _band_edge(traffic, 1.0)
-            edges = (self.predict_all(costs, traffic, queued, slo, top),)
+            upper = self.predict_all(costs, traffic, queued, slo, top)
         cur = preds[self.current]
-        best = self._best(reach, output, costs, top, edges)
-        if preds[best].goodput - cur.goodput > GOODPUT_TIE * max(cur.goodput, traffic.rate):
+        best = self._best(reach, output, costs, top, upper)
+        top_goodput = preds[best].goodput
+        if top_goodput - cur.goodput > GOODPUT_TIE * max(top_goodput, cur.goodput, traffic.rate):
             # for goodput: of the layouts that gain it, one that leaves no DP request
             # beside its groups
-            best = self._best(self._net_of_interleave(reach, cur, running, traffic, slo),
-                              output, costs, top, edges)
+            best = self._best(self._net_of_interleave(reach, cur, running, traffic.rate,
+                                                      output, slo),
+                              output, costs, top, upper)
         new = preds[best]
         if best == self.current:
             return Choice(self.current, f"goodput: {cur.layout} predicted best", briefs)
@@ -477,7 +479,7 @@ class LayoutChooser:
             gain = self._robust_gain(best, costs, traffic, queued, slo)
             if gain <= margin:  # a tie somewhere in the band
                 if cur.saturated or new.saturated or regroup or not (
-                        self._latency_may_take(best, reach, costs, top, edges)
+                        self._latency_may_take(best, reach, costs, top, upper)
                         and self._latency(best, new, output)
                         < self._latency(self.current, cur, output)):
                     return Choice(self.current, f"goodput: keep {cur.layout} ({best.name} "
@@ -493,7 +495,7 @@ class LayoutChooser:
               and not regroup and traffic.behind >= TAIL_MIN_ARRIVALS
               and traffic.rate <= LIGHT * self.capacity(self.current)
               and self._tails_over(self.current, preds, TAIL_LEAVE)
-              and all(self._tails_over(self.current, e, TAIL_LEAVE) for e in edges)):
+              and not (upper and not self._tails_over(self.current, upper, TAIL_LEAVE))):
             # each request of the horizon is spared at least one such gap; the switch
             # (moves to DP) delays what it delays
             spared = cur.itl_tails_ms[1] - preds[self.candidates[0]].itl_tails_ms[1]
