@@ -5,9 +5,9 @@
   when the request's handler ends, however it ends, drop its placement state.
 - ``_validate_one_request`` (around): an empty prompt or a token id outside the
   vocabulary -> 400 (SGLang's forward raises on them); the policy's per-request
-  placement (priority,
-  long context, DP-only features; too long for the node or a forced group the request
-  cannot run in -> 400), and a TP-m request may use m engines' KV.
+  placement (priority, long context, DP-only features; too long for the node or a
+  forced group the request cannot run in -> 400), and a TP-m request may use m
+  engines' KV.
 - ``_handle_batch_output`` (around): add ``meta_info["flying"]`` (where it ran); when a
   request finishes, count it and record its TTFT / TPOT by mode (``flying.node.metrics``).
 """
