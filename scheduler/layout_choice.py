@@ -26,6 +26,11 @@ keeps or changes its layout:
   SLO (``interleave_lost``): a goodput gain must repay them (and among the layouts that
   gain goodput, each is charged its own: ``_net_of_interleave``), a latency gain may not
   cost one and must repay the latency the interleaving adds (``interleave_ms``);
+- where no layout serves anything within SLO at the rate read (past saturation, or a
+  phase's first arrivals reading it high), the layouts are compared at the first edge
+  of the rate's band below it, one to three standard errors, where one does
+  (``_lower_edge``): what a layout serves past saturation it serves in the stream's
+  lulls;
 - the candidates are the uniform layouts (DP, or every engine in groups of one
   degree): a mixed one is not what the mechanism runs (``LayoutChooser.__init__``);
 - hysteresis: a goodput gain must exceed ``GOODPUT_MARGIN`` of the current layout's
@@ -54,8 +59,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from scheduler.costs import Costs
+from scheduler.interleave import interleave_lost, interleave_ms
 from scheduler.relayout import MAX_JOIN
-from scheduler.service import TPOT_EDGE, Layout, Prediction, Slo, layouts, predict
+from scheduler.service import Layout, Prediction, Slo, layouts, predict
 from scheduler.traffic import Traffic
 
 #: Goodputs this close (a share of the larger one, or of the rate where that is more:
@@ -97,6 +103,10 @@ TAIL_MIN_ARRIVALS = 10
 #: batch is at most this multiple of the largest batch their degree was measured at
 #: (1: within the measured points).
 REACH = 1.0
+#: Where no layout serves anything within SLO at the rate read, the layouts are
+#: compared this many standard errors below it, the first edge where one does
+#: (``_lower_edge``); beyond three the rate read is not where the node is.
+LOWER_EDGES = (1.0, 2.0, 3.0)
 
 
 
@@ -144,80 +154,6 @@ class Choice:
     layout: Layout
     reason: str
     predictions: dict[str, dict]
-
-
-#: Points of the midpoint sums ``interleave_lost`` integrates over.
-_POINTS = 32
-
-
-def _past(tpot: float, slo: float) -> float:
-    """The share of requests at a mean TPOT of ``tpot`` that miss ``slo``: the steps
-    spread at least uniformly within ``TPOT_EDGE`` of the SLO about the mean
-    (``scheduler.service``), so a mean just under the SLO still puts some past it."""
-    edge = TPOT_EDGE * slo
-    return min(1.0, max(0.0, (tpot - slo + edge) / (2.0 * edge))) if edge > 0 else \
-        float(tpot > slo)
-
-
-def interleave_lost(cur: Prediction, new: Prediction, running: int, rate: float,
-                    output: float, slo: Slo) -> float:
-    """Requests expected to miss the TPOT SLO because a switch from DP to groups is
-    taken while DP requests run on the members, that would have met it undisturbed.
-
-    Until those finish, each member runs one DP step between group steps, so both kinds
-    of request stream at ``cur.tpot + new.tpot`` for ``D = output / 2 x (cur.tpot +
-    new.tpot)`` ms (the running ones' mean remaining output). A running DP request with
-    ``r`` of its ``output`` tokens left averages ``cur + new x r / output``; a group
-    request arriving ``u`` ms into ``D`` spends ``D - u`` of its undisturbed life
-    ``L = output x new`` slowed, averaging ``new + cur x min(1, (D - u) / L)``. Each
-    counts by how much more likely it is to miss the SLO than at its undisturbed TPOT
-    (``_past``: a mean within ``TPOT_EDGE`` of the SLO misses in part), summed over
-    ``r`` uniform in the output and ``u`` over the drain; the arrivals count as far as
-    DP would have served them within the SLO (where DP misses it already, switching
-    loses them nothing). (Measured-kernel GPU profiles:
-    a DP step of one or two requests costs almost a full step, so interleaving doubles
-    the group's cadence: simulated on Llama-3-8B, 8 x H100, the switch at a burst's
-    start put 282 requests past the SLO. And a cadence just under the SLO is not safe:
-    8B on 8 H100s (first principles) at a steady 10 req/s, DP at 6.5 ms and TP-8 at
-    1.8 against a 9 ms SLO, the node took TP-8 for latency six times with 16 DP requests
-    beside it, each counted as losing none, and 112 requests missed the SLO where both
-    static layouts served all.)"""
-    both = cur.tpot_ms + new.tpot_ms
-    if running <= 0 or new.tpot_ms <= 0 or cur.tpot_ms <= 0:
-        return 0.0
-    tpot = slo.tpot_ms
-    mids = [(i + 0.5) / _POINTS for i in range(_POINTS)]
-    past_dp = base = _past(cur.tpot_ms, tpot)
-    lost_running = sum(max(0.0, _past(cur.tpot_ms + new.tpot_ms * f, tpot) - base)
-                       for f in mids) / _POINTS
-    drain_ms = output / 2 * both
-    life_ms = output * new.tpot_ms
-    base = _past(new.tpot_ms, tpot)
-    lost_arriving = sum(
-        max(0.0, _past(new.tpot_ms + cur.tpot_ms * min(1.0, (1.0 - f) * drain_ms / life_ms),
-                       tpot) - base)
-        for f in mids) / _POINTS
-    return running * lost_running + \
-        rate * drain_ms / 1000.0 * lost_arriving * (1.0 - past_dp)
-
-
-def interleave_ms(cur: Prediction, new: Prediction, running: int, rate: float,
-                  output: float) -> float:
-    """Request-milliseconds of latency a switch from DP to groups adds by interleaving
-    (``interleave_lost``'s drain): each running DP request streams its remaining
-    ``output / 2`` tokens (on average) one group step slower, ``new.tpot`` each; a group
-    request arriving during the drain ``D = output / 2 x (cur.tpot + new.tpot)`` streams
-    ``(D - u) / (cur.tpot + new.tpot)`` tokens of it one DP step slower, which averages
-    ``output / 4 x cur.tpot`` over the ``rate x D`` arrivals. The predicted latency of
-    the new layout is its service after the drain, so a latency gain must repay this:
-    on the hidden-1024 model, TP-2 groups formed for latency beside a member's 6 and 4
-    running DP requests streamed their own at a TPOT of 101-121 ms, where static DP
-    served the same requests at 43-62 (cpu-three-peak, session 35)."""
-    if running <= 0:  # nothing to drain
-        return 0.0
-    drain_ms = output / 2 * (cur.tpot_ms + new.tpot_ms)
-    return (running * output / 2 * new.tpot_ms
-            + rate * drain_ms / 1000.0 * output / 4 * cur.tpot_ms)
 
 
 class LayoutChooser:
@@ -428,6 +364,79 @@ class LayoutChooser:
                 out[lay] = replace(p, goodput=max(0.0, p.goodput - lost / self.horizon_s))
         return out
 
+    def _lower_edge(self, reach: dict[Layout, Prediction], costs: Costs, traffic: Traffic,
+                    queued: float, slo: Slo) -> tuple[float, dict[Layout, Prediction]] | None:
+        """Where no layout in ``reach`` serves anything within SLO at the rate read (each
+        within ``GOODPUT_TIE`` of the rate of 0): the first rate ``LOWER_EDGES``
+        standard errors below it where one does, and every layout predicted there; else
+        None. Past saturation every layout predicts ~0 at the rate, and the tie went to
+        latency or throughput, both DP's; but the rate is an estimate (a phase's first
+        arrivals read it high), and the lulls of a stream past saturation are where a
+        layout serves anything: the one that serves the most below the rate read
+        serves the most of it. (Simulated, 8B on 8 H200s, measured kernels, at a
+        steady 50 req/s: the first 82 arrivals read 62 req/s, every layout ~0 there,
+        and the node took DP where TP-2 served 35 req/s at the rate, 493 of its first
+        497 requests past the SLOs against static TP-2's 186; 70B on 4 H200s at 8
+        req/s: DP on a latency tie for 55 s, 0.98 req/s within SLO against static
+        TP-2's 1.35.)"""
+        if max(p.goodput for p in reach.values()) >= GOODPUT_TIE * traffic.rate:
+            return None
+        for k in LOWER_EDGES:
+            rate = _band_edge(traffic, -k)
+            low = {lay: p for lay, p in
+                   self.predict_all(costs, traffic, queued, slo, rate).items() if lay in reach}
+            if self.current not in low:
+                return None
+            if max(p.goodput for p in low.values()) >= GOODPUT_TIE * rate:
+                return rate, low
+        return None
+
+    def _overloaded(self, now: float, edge: tuple[float, dict[Layout, Prediction]],
+                    running: int, traffic: Traffic, output: float, slo: Slo,
+                    switch: SwitchCosts, briefs: dict[str, dict]) -> Choice:
+        """The choice where no layout serves within SLO at the rate read: the one that
+        serves the most at the lower ``edge`` (``_lower_edge``), switched to for a
+        goodput gain there as for one at the rate (margin, dwell, the switch's charge)."""
+        rate, low = edge
+        best = max(low, key=lambda lay: (low[lay].goodput, lay == self.current))
+        cur, new = low[self.current], low[best]
+        where = f"at {rate:.1f} req/s, none within SLO at {traffic.rate:.1f}"
+        if best == self.current:
+            return Choice(self.current, f"goodput: {cur.layout} predicted best {where}", briefs)
+        if now - self.since < DWELL_S and new.goodput <= DWELL_BREAK * cur.goodput:
+            return Choice(self.current, f"goodput: keep {cur.layout} (dwell)", briefs)
+        cost_ms, delayed, lost, _ = self._charge(best, cur, new, running, traffic, output,
+                                                 slo, switch)
+        gain = new.goodput - cur.goodput
+        if gain <= _margin(cur.goodput, rate) or \
+                gain * self.horizon_s <= delayed * min(1.0, cost_ms / slo.ttft_ms) + lost:
+            return Choice(self.current, f"goodput: keep {cur.layout}: {best.name} gains "
+                          f"less than its margin or switch ({cost_ms:.0f} ms) {where}", briefs)
+        self.current, self.since = best, now
+        return Choice(best, f"goodput: {cur.layout} -> {best.name} (goodput "
+                      f"{new.goodput:.2f} vs {cur.goodput:.2f} req/s {where})", briefs)
+
+    def _charge(self, best: Layout, cur: Prediction, new: Prediction, running: int,
+                traffic: Traffic, output: float, slo: Slo,
+                switch: SwitchCosts) -> tuple[float, float, float, int]:
+        """What a switch from the current layout to ``best`` costs: its time (ms), the
+        requests it delays, those its interleaving puts past the TPOT SLO, and the
+        running DP requests it leaves beside its groups (the rest join them)."""
+        cost_ms = switch.of(running * ((traffic.prompt or 128.0) + output / 2))
+        if self.current.groups and best.groups and running and not cur.saturated:
+            # Running requests move only to DP: the new groups' binds wait until the
+            # old groups have finished theirs (the longest, about a whole output).
+            # (Saturated: staying costs more.)
+            cost_ms += output * cur.tpot_ms
+        # The requests a switch delays: the running ones (not where the layout is
+        # saturated: they miss their SLOs whether it switches or not) and the arrivals
+        # during it.
+        delayed = (0 if cur.saturated else running) + traffic.rate * cost_ms / 1000.0
+        left = self.beside(best, running)
+        lost = 0.0 if self.current.groups or not best.groups or cur.saturated else \
+            interleave_lost(cur, new, left, traffic.rate, output, slo)
+        return cost_ms, delayed, lost, left
+
     def _choose(self, now: float, costs: Costs, traffic: Traffic, running: int, queued: int,
                 slo: Slo, switch: SwitchCosts) -> Choice:
         preds = self.predict_all(costs, traffic, queued, slo)
@@ -437,6 +446,9 @@ class LayoutChooser:
             return Choice(self.current, "goodput: a mode is unmeasured; DP", briefs)
         output = traffic.output or 128.0
         reach = {lay: p for lay, p in preds.items() if self._within_reach(lay, p, costs)}
+        edge = self._lower_edge(reach, costs, traffic, queued, slo)
+        if edge is not None:
+            return self._overloaded(now, edge, running, traffic, output, slo, switch, briefs)
         # A latency bet holds across the rate's band: light load and tails are checked
         # at its upper edge too (one arrival's rate is the 1 s floor, not an estimate);
         # so is leaving a group for its tails.
@@ -458,20 +470,9 @@ class LayoutChooser:
             return Choice(self.current, f"goodput: {cur.layout} predicted best", briefs)
         if now - self.since < DWELL_S and new.goodput <= DWELL_BREAK * cur.goodput:
             return Choice(self.current, f"goodput: keep {cur.layout} (dwell)", briefs)
-        in_flight_tokens = running * ((traffic.prompt or 128.0) + output / 2)
-        cost_ms = switch.of(in_flight_tokens)
         regroup = bool(self.current.groups and best.groups)
-        if regroup and running and not cur.saturated:  # saturated: staying costs more
-            # Running requests move only to DP: the new groups' binds wait until the
-            # old groups have finished theirs (the longest, about a whole output).
-            cost_ms += output * cur.tpot_ms
-        # The requests a switch delays: the running ones (not where the layout is
-        # saturated: they miss their SLOs whether it switches or not) and the arrivals
-        # during it.
-        delayed = (0 if cur.saturated else running) + traffic.rate * cost_ms / 1000.0
-        left = self.beside(best, running)  # the rest join the new groups
-        lost = 0.0 if self.current.groups or not best.groups or cur.saturated else \
-            interleave_lost(cur, new, left, traffic.rate, output, slo)
+        cost_ms, delayed, lost, left = self._charge(best, cur, new, running, traffic, output,
+                                                    slo, switch)
         gain = new.goodput - cur.goodput
         tie = abs(gain) <= GOODPUT_TIE * max(new.goodput, cur.goodput, traffic.rate)
         margin = _margin(cur.goodput, traffic.rate)

@@ -13,14 +13,14 @@ import random
 
 import pytest
 
-from scheduler import layout_choice
+from scheduler import interleave
 from scheduler.costs import Costs, Curve, interpolate
+from scheduler.interleave import interleave_lost
 from scheduler.layout_choice import (
     DWELL_S,
     GOODPUT_TIE,
     LayoutChooser,
     SwitchCosts,
-    interleave_lost,
 )
 from scheduler.policy import EngineLoad, Node, Policy, PolicyConfig, Request, derive_slo
 from scheduler.replay import record, replay
@@ -698,11 +698,51 @@ def test_a_goodput_gain_takes_the_layout_that_leaves_no_dp_request_beside_its_gr
                            SwitchCosts(2.0, 0.4)).layout == TP8
 
 
+def test_where_nothing_serves_at_the_rate_read_the_layouts_are_compared_below_it():
+    """Past saturation every layout predicts ~0 within SLO at the rate read, and the
+    tie went to DP (latency, or throughput when all are saturated); a phase's first
+    arrivals read the rate high, and what a layout serves is served in the stream's
+    lulls. The layout serving the most at the first edge of the rate's band below it
+    (1, 2, 3 standard errors) where any serves is taken: here TP-2 (at 3 standard
+    errors below, 100 arrivals behind the rate: 70 % of it); kept once taken; where
+    nothing serves even there, the old overload rule (the most throughput) decides."""
+    def at(rate: float, cliff: float) -> dict[Layout, Prediction]:
+        """TP-2 serves within SLO below ``cliff`` req/s, DP and TP-8 nowhere near."""
+        tp2 = max(0.0, cliff - rate)
+        return {DP8: _pred(DP8, 0.0, tpot=20.0), TP8: _pred(TP8, 0.0, saturated=True),
+                TP2: _pred(TP2, tp2, saturated=tp2 == 0.0)}
+
+    def chooser(current: Layout, cliff: float) -> LayoutChooser:
+        c = LayoutChooser(8, (2, 4, 8), 10.0, 0.1, 1e6)
+        c.current, c.since = current, -100.0
+        c.predict_all = lambda costs, traffic, queued, slo, rate=None, loaded=False: \
+            at(traffic.rate if rate is None else rate, cliff)
+        c._within_reach = lambda *a: True
+        c.capacity = lambda lay: 1e9
+        return c
+
+    traffic = Traffic(0.0, 60.0, 60.0, 2000.0, 300.0, 100, 100)
+    for current in (DP8, TP8):
+        c = chooser(current, cliff=50.0)
+        choice = c._choose(0.0, TP_ALWAYS, traffic, 4, 0, Slo(220.0, 9.0), SwitchCosts(2.0, 0.4))
+        assert choice.layout == TP2 and "none within SLO" in choice.reason, choice.reason
+        # and kept: at the rate read it ties with the others at 0
+        again = c._choose(50.0, TP_ALWAYS, traffic, 4, 0, Slo(220.0, 9.0), SwitchCosts(2.0, 0.4))
+        assert again.layout == TP2, again.reason
+    # nothing serves down to 3 standard errors below (60 x 0.7 = 42 req/s): as before
+    c = chooser(TP8, cliff=40.0)
+    choice = c._choose(0.0, TP_ALWAYS, traffic, 4, 0, Slo(220.0, 9.0), SwitchCosts(2.0, 0.4))
+    assert "none within SLO" not in choice.reason, choice.reason
+    # something serves at the rate read: the band below it is not asked
+    assert chooser(DP8, cliff=70.0)._lower_edge(at(60.0, 70.0), TP_ALWAYS, traffic, 0,
+                                                 Slo(220.0, 9.0)) is None
+
+
 def test_interleave_lost_counts_the_running_and_the_arrivals_past_the_slo(monkeypatch):
     cur, new = _pred(DP8, 10.0, tpot=8.0), _pred(TP8, 10.0, tpot=4.6)
     slo = Slo(220.0, 11.5)
     with monkeypatch.context() as m:  # steps without spread: a mean past the SLO misses
-        m.setattr(layout_choice, "TPOT_EDGE", 1e-9)
+        m.setattr(interleave, "TPOT_EDGE", 1e-9)
         # running: past the SLO where r / output > (11.5 - 8) / 4.6, a quarter of them
         only_running = interleave_lost(cur, new, 40, 0.0, 300.0, slo)
         assert only_running == pytest.approx(40 * (1 - 3.5 / 4.6), abs=40 / 32)
