@@ -703,9 +703,10 @@ def test_where_nothing_serves_at_the_rate_read_the_layouts_are_compared_below_it
     tie went to DP (latency, or throughput when all are saturated); a phase's first
     arrivals read the rate high, and what a layout serves is served in the stream's
     lulls. The layout serving the most at the first edge of the rate's band below it
-    (1, 2, 3 standard errors) where any serves is taken: here TP-2 (at 3 standard
-    errors below, 100 arrivals behind the rate: 70 % of it); kept once taken; where
-    nothing serves even there, the old overload rule (the most throughput) decides."""
+    (half a standard error to three, in half steps) where any serves is taken: here
+    TP-2, 2 req/s within SLO two standard errors below (100 arrivals behind the rate:
+    48 req/s); kept once taken; where nothing serves even three below, the old
+    overload rule (the most throughput) decides."""
     def at(rate: float, cliff: float) -> dict[Layout, Prediction]:
         """TP-2 serves within SLO below ``cliff`` req/s, DP and TP-8 nowhere near."""
         tp2 = max(0.0, cliff - rate)
