@@ -109,6 +109,16 @@ def resolve_degrees(argv: list[str], cfg: flying_config.FlyingConfig) -> flying_
                 "and a local checkpoint directory"
             )
         return replace(cfg, tp_degrees="none")
+    page = _flag_value(argv, "--page-size")
+    if page is not None and int(page) != 1:
+        # A group's KV view splits each DP slot's heads over its members, one token per
+        # slot (flying.substrate.kv_adaptor); SGLang's paged allocator hands out whole
+        # pages, which the view and the moves between layouts do not keep.
+        why = f"TP groups need SGLang's --page-size 1 (given {page})"
+        if requested:
+            raise flying_config.ConfigError(f"--flying-tp-degrees {cfg.tp_degrees}: {why}")
+        logger.warning("Flying: %s; serving as DP replicas", why)
+        return replace(cfg, tp_degrees="none")
     hf = json.loads(config_file.read_text())
     heads = int(hf["num_attention_heads"])
     kv_heads = int(hf.get("num_key_value_heads", heads))

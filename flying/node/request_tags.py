@@ -132,6 +132,11 @@ async def _bad_request(scope, receive, send, message: str) -> None:
     await JSONResponse(body, status_code=400)(scope, receive, send)
 
 
+#: Why a node may allow no degree at all (the launcher logs which at start-up).
+_NO_GROUPS = ("none: TP groups are off on this node, its start-up log says why (they "
+              "need --dp-size >= 2, --tp-size 1, --page-size 1 and a local checkpoint)")
+
+
 def _parse_degree(value: str, allowed: list[int]) -> int:
     text = value.strip()
     if not _DEGREE.fullmatch(text):
@@ -142,7 +147,7 @@ def _parse_degree(value: str, allowed: list[int]) -> int:
     if degree not in allowed:
         raise ValueError(
             f"X-Flying-TP: {degree} is not an allowed TP degree on this node "
-            f"(allowed: {allowed or 'none; start with --dp-size >= 2'})"
+            f"(allowed: {allowed or _NO_GROUPS})"
         )
     return degree
 

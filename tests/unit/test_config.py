@@ -91,6 +91,26 @@ def test_groups_are_off_on_cuda_unless_experimental():
     assert not parser.parse_args([]).flying_experimental_cuda_groups
 
 
+def test_groups_need_sglangs_page_size_1(tmp_path):
+    """A group's KV view splits one token's heads over its members; SGLang's paged
+    allocator (``--page-size`` > 1) hands out whole pages: groups default to off there
+    (a DP node, said at start-up; the start-up probe's group failed before), and asking
+    for them is a clear error."""
+    import json
+    from dataclasses import replace
+
+    from flying.node.launch import resolve_degrees
+
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"num_attention_heads": 8, "num_key_value_heads": 4}))
+    argv = ["--model-path", str(tmp_path), "--dp-size", "2"]
+    assert resolve_degrees(argv, config.FlyingConfig()).degree_list() == [2]
+    assert resolve_degrees([*argv, "--page-size", "1"], config.FlyingConfig()).degree_list() == [2]
+    assert resolve_degrees([*argv, "--page-size", "16"], config.FlyingConfig()).degree_list() == []
+    with pytest.raises(config.ConfigError, match="--page-size 1"):
+        resolve_degrees([*argv, "--page-size", "16"], replace(config.FlyingConfig(), tp_degrees="2"))
+
+
 def test_help_renders_every_flag():
     """``--help`` formats each help text with argparse's %-formatting: a bare % in a
     text crashed ``python -m flying.launch --help``."""
