@@ -47,10 +47,16 @@ SHORT = 16
 @pytest.fixture(scope="module")
 def move_server(demo_model_dir, tmp_path_factory):
     # --enable-metrics: a request's Prometheus collector (thread locks) must not travel
-    # with its KV (a join failed its group on pickling it)
+    # with its KV (a join failed its group on pickling it); the other SGLang flags put
+    # their state on requests and schedulers too, and every move here must keep working
+    # under them (docs/FLAGS.md lists what was checked)
+    tmp = tmp_path_factory.mktemp("move")
     yield from demo_server(
-        demo_model_dir, tmp_path_factory.mktemp("move") / "server.log",
-        "--flying-move-to-dp", "all", "--enable-metrics", env={"FLYING_TEST_FAULTS": "1", **SLOWER},
+        demo_model_dir, tmp / "server.log", "--flying-move-to-dp", "all",
+        "--enable-metrics", "--enable-request-time-stats-logging", "--log-requests",
+        "--schedule-policy", "lof", "--enable-cache-report", "--enable-priority-scheduling",
+        "--crash-dump-folder", str(tmp / "crash"),
+        env={"FLYING_TEST_FAULTS": "1", **SLOWER},
     )
 
 
