@@ -235,7 +235,7 @@ class LayoutChooser:
         return min(gains)
 
     def _holds_loaded(self, best: Layout, costs: Costs, traffic: Traffic, queued: float,
-                      slo: Slo, gain: float) -> bool:
+                      slo: Slo, gain: float, rate: float | None = None) -> bool:
         """Whether ``best``'s goodput gain over the current layout also holds at the
         costs as the steps run now (``Costs.loaded``: the quiet points times each mode's
         measured stretch): the quiet points are each mode's best, and under load every
@@ -245,13 +245,15 @@ class LayoutChooser:
         streamed 4-5x past the SLO, the group 1.4x slower than DP; no decision log was
         kept of that run, so this check is not shown to have stopped that switch). It
         holds where at least ``HOLD`` of the ``gain`` predicted at the quiet points is
-        left, and more than the margin. True where nothing is stretched."""
+        left, and more than the margin (at ``rate``, default the traffic's). True where
+        nothing is stretched."""
         loaded = costs.loaded()
         if loaded is costs:
             return True
-        preds = self.predict_all(loaded, traffic, queued, slo, loaded=True)  # scaled once
+        rate = traffic.rate if rate is None else rate
+        preds = self.predict_all(loaded, traffic, queued, slo, rate, loaded=True)  # scaled once
         cur = preds[self.current].goodput
-        return preds[best].goodput - cur > max(_margin(cur, traffic.rate), HOLD * gain)
+        return preds[best].goodput - cur > max(_margin(cur, rate), HOLD * gain)
 
     def _latency(self, lay: Layout, p: Prediction, output: float) -> float:
         """A request's predicted end-to-end latency (ms), a layout with groups charged
@@ -395,11 +397,13 @@ class LayoutChooser:
         return None
 
     def _overloaded(self, now: float, edge: tuple[float, dict[Layout, Prediction]],
-                    running: int, traffic: Traffic, output: float, slo: Slo,
+                    running: int, traffic: Traffic, queued: float, costs: Costs, slo: Slo,
                     switch: SwitchCosts, briefs: dict[str, dict]) -> Choice:
         """The choice where no layout serves within SLO at the rate read: the one that
         serves the most at the lower ``edge`` (``_lower_edge``), switched to for a
-        goodput gain there as for one at the rate (margin, dwell, the switch's charge)."""
+        goodput gain there as for one at the rate (margin, dwell, at the costs the
+        steps run at now too, the switch's charge)."""
+        output = traffic.output or 128.0
         rate, low = edge
         best = max(low, key=lambda lay: (low[lay].goodput, lay == self.current))
         cur, new = low[self.current], low[best]
@@ -415,6 +419,9 @@ class LayoutChooser:
                 gain * self.horizon_s <= delayed * min(1.0, cost_ms / slo.ttft_ms) + lost:
             return Choice(self.current, f"goodput: keep {cur.layout}: {best.name} gains "
                           f"less than its margin or switch ({cost_ms:.0f} ms) {where}", briefs)
+        if not self._holds_loaded(best, costs, traffic, queued, slo, gain, rate):
+            return Choice(self.current, f"goodput: keep {cur.layout} ({best.name} not "
+                          f"better at the costs the steps run at now) {where}", briefs)
         self.current, self.since = best, now
         return Choice(best, f"goodput: {cur.layout} -> {best.name} (goodput "
                       f"{new.goodput:.2f} vs {cur.goodput:.2f} req/s {where})", briefs)
@@ -451,7 +458,8 @@ class LayoutChooser:
         reach = {lay: p for lay, p in preds.items() if self._within_reach(lay, p, costs)}
         edge = self._lower_edge(reach, costs, traffic, queued, slo)
         if edge is not None:
-            return self._overloaded(now, edge, running, traffic, output, slo, switch, briefs)
+            return self._overloaded(now, edge, running, traffic, queued, costs, slo, switch,
+                                    briefs)
         # A latency bet holds across the rate's band: light load and tails are checked
         # at its upper edge too (one arrival's rate is the 1 s floor, not an estimate);
         # so is leaving a group for its tails.

@@ -730,6 +730,11 @@ def test_where_nothing_serves_at_the_rate_read_the_layouts_are_compared_below_it
         # and kept: at the rate read it ties with the others at 0
         again = c._choose(50.0, TP_ALWAYS, traffic, 4, 0, Slo(220.0, 9.0), SwitchCosts(2.0, 0.4))
         assert again.layout == TP2, again.reason
+    # a gain there must hold at the costs the steps run at now, as one at the rate
+    c = chooser(DP8, cliff=50.0)
+    c._holds_loaded = lambda *a: False
+    choice = c._choose(0.0, TP_ALWAYS, traffic, 4, 0, Slo(220.0, 9.0), SwitchCosts(2.0, 0.4))
+    assert choice.layout == DP8 and "costs the steps run at now" in choice.reason, choice.reason
     # nothing serves down to 3 standard errors below (60 x 0.7 = 42 req/s): as before
     c = chooser(TP8, cliff=40.0)
     choice = c._choose(0.0, TP_ALWAYS, traffic, 4, 0, Slo(220.0, 9.0), SwitchCosts(2.0, 0.4))
