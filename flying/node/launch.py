@@ -110,7 +110,7 @@ def resolve_degrees(argv: list[str], cfg: flying_config.FlyingConfig) -> flying_
             )
         return replace(cfg, tp_degrees="none")
     page = _flag_value(argv, "--page-size")
-    if page is not None and int(page) != 1:
+    if page is not None and page.strip().isdigit() and int(page) != 1:  # SGLang checks the rest
         # A group's KV view splits each DP slot's heads over its members, one token per
         # slot (flying.substrate.kv_adaptor); SGLang's paged allocator hands out whole
         # pages, which the view and the moves between layouts do not keep.

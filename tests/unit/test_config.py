@@ -107,6 +107,9 @@ def test_groups_need_sglangs_page_size_1(tmp_path):
     assert resolve_degrees(argv, config.FlyingConfig()).degree_list() == [2]
     assert resolve_degrees([*argv, "--page-size", "1"], config.FlyingConfig()).degree_list() == [2]
     assert resolve_degrees([*argv, "--page-size", "16"], config.FlyingConfig()).degree_list() == []
+    assert resolve_degrees([*argv, "--page-size=16"], config.FlyingConfig()).degree_list() == []
+    # not a number: SGLang's own parser says so
+    assert resolve_degrees([*argv, "--page-size", "x"], config.FlyingConfig()).degree_list() == [2]
     with pytest.raises(config.ConfigError, match="--page-size 1"):
         resolve_degrees([*argv, "--page-size", "16"], replace(config.FlyingConfig(), tp_degrees="2"))
 
