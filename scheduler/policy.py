@@ -169,7 +169,7 @@ class PolicyConfig:
     #: A forming group takes its members' running DP requests in (the node sets it from
     #: ``--flying-move-to-dp`` not ``off``), up to ``scheduler.relayout.MAX_JOIN`` a
     #: group, instead of running their DP steps between its own
-    #: (``layout_choice.interleave_lost``). False in decision logs written before
+    #: (``interleave.interleave_lost``). False in decision logs written before
     #: nodes did (their nodes joined the leader's requests only, when no peer had any).
     joins: bool = False
 
