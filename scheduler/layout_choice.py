@@ -410,7 +410,7 @@ class LayoutChooser:
         where = f"at {rate:.1f} req/s, none within SLO at {traffic.rate:.1f}"
         if best == self.current:
             return Choice(self.current, f"goodput: {cur.layout} predicted best {where}", briefs)
-        if now - self.since < DWELL_S and new.goodput <= DWELL_BREAK * cur.goodput:
+        if self._dwells(now, cur, new):
             return Choice(self.current, f"goodput: keep {cur.layout} (dwell)", briefs)
         cost_ms, delayed, lost, _ = self._charge(best, cur, new, running, traffic, output,
                                                  slo, switch)
@@ -425,6 +425,11 @@ class LayoutChooser:
         self.current, self.since = best, now
         return Choice(best, f"goodput: {cur.layout} -> {best.name} (goodput "
                       f"{new.goodput:.2f} vs {cur.goodput:.2f} req/s {where})", briefs)
+
+    def _dwells(self, now: float, cur: Prediction, new: Prediction) -> bool:
+        """The current layout is held: taken under ``DWELL_S`` ago, and the other does
+        not predict over ``DWELL_BREAK`` x its goodput."""
+        return now - self.since < DWELL_S and new.goodput <= DWELL_BREAK * cur.goodput
 
     def _charge(self, best: Layout, cur: Prediction, new: Prediction, running: int,
                 traffic: Traffic, output: float, slo: Slo,
@@ -479,7 +484,7 @@ class LayoutChooser:
         new = preds[best]
         if best == self.current:
             return Choice(self.current, f"goodput: {cur.layout} predicted best", briefs)
-        if now - self.since < DWELL_S and new.goodput <= DWELL_BREAK * cur.goodput:
+        if self._dwells(now, cur, new):
             return Choice(self.current, f"goodput: keep {cur.layout} (dwell)", briefs)
         regroup = bool(self.current.groups and best.groups)
         cost_ms, delayed, lost, left = self._charge(best, cur, new, running, traffic, output,
