@@ -397,13 +397,13 @@ class LayoutChooser:
         return None
 
     def _overloaded(self, now: float, edge: tuple[float, dict[Layout, Prediction]],
-                    running: int, traffic: Traffic, queued: float, costs: Costs, slo: Slo,
-                    switch: SwitchCosts, briefs: dict[str, dict]) -> Choice:
+                    running: int, traffic: Traffic, output: float, queued: float,
+                    costs: Costs, slo: Slo, switch: SwitchCosts,
+                    briefs: dict[str, dict]) -> Choice:
         """The choice where no layout serves within SLO at the rate read: the one that
         serves the most at the lower ``edge`` (``_lower_edge``), switched to for a
         goodput gain there as for one at the rate (margin, dwell, at the costs the
         steps run at now too, the switch's charge)."""
-        output = traffic.output or 128.0
         rate, low = edge
         best = max(low, key=lambda lay: (low[lay].goodput, lay == self.current))
         cur, new = low[self.current], low[best]
@@ -416,7 +416,7 @@ class LayoutChooser:
                                                  slo, switch)
         gain = new.goodput - cur.goodput
         if gain <= _margin(cur.goodput, rate) or \
-                gain * self.horizon_s <= delayed * min(1.0, cost_ms / slo.ttft_ms) + lost:
+                not self._repays(gain, cost_ms, delayed, lost, slo):
             return Choice(self.current, f"goodput: keep {cur.layout}: {best.name} gains "
                           f"less than its margin or switch ({cost_ms:.0f} ms) {where}", briefs)
         if not self._holds_loaded(best, costs, traffic, queued, slo, gain, rate):
@@ -430,6 +430,13 @@ class LayoutChooser:
         """The current layout is held: taken under ``DWELL_S`` ago, and the other does
         not predict over ``DWELL_BREAK`` x its goodput."""
         return now - self.since < DWELL_S and new.goodput <= DWELL_BREAK * cur.goodput
+
+    def _repays(self, gain: float, cost_ms: float, delayed: float, lost: float,
+                slo: Slo) -> bool:
+        """Whether ``gain`` req/s over the horizon outlasts a switch of ``cost_ms`` that
+        delays ``delayed`` requests (each charged the share of the TTFT SLO the switch
+        takes) and puts ``lost`` past the TPOT SLO (``_charge``)."""
+        return gain * self.horizon_s > delayed * min(1.0, cost_ms / slo.ttft_ms) + lost
 
     def _charge(self, best: Layout, cur: Prediction, new: Prediction, running: int,
                 traffic: Traffic, output: float, slo: Slo,
@@ -463,8 +470,8 @@ class LayoutChooser:
         reach = {lay: p for lay, p in preds.items() if self._within_reach(lay, p, costs)}
         edge = self._lower_edge(reach, costs, traffic, queued, slo)
         if edge is not None:
-            return self._overloaded(now, edge, running, traffic, queued, costs, slo, switch,
-                                    briefs)
+            return self._overloaded(now, edge, running, traffic, output, queued, costs, slo,
+                                    switch, briefs)
         # A latency bet holds across the rate's band: light load and tails are checked
         # at its upper edge too (one arrival's rate is the 1 s floor, not an estimate);
         # so is leaving a group for its tails.
@@ -506,7 +513,7 @@ class LayoutChooser:
             if not self._holds_loaded(best, costs, traffic, queued, slo, gain):
                 return Choice(self.current, f"goodput: keep {cur.layout} ({best.name} not "
                               "better at the costs the steps run at now)", briefs)
-            worth = gain * self.horizon_s > delayed * min(1.0, cost_ms / slo.ttft_ms) + lost
+            worth = self._repays(gain, cost_ms, delayed, lost, slo)
             kind = f"goodput {new.goodput:.2f} vs {cur.goodput:.2f} req/s"
         elif (tie and not (cur.saturated or new.saturated)  # light load: its gaps decide
               and not regroup and traffic.behind >= TAIL_MIN_ARRIVALS
@@ -527,7 +534,7 @@ class LayoutChooser:
             if extra <= GOODPUT_MARGIN * cur.throughput / output:
                 return Choice(self.current, f"goodput: keep {cur.layout} (saturated, "
                               f"within {GOODPUT_MARGIN:.0%} of {best.name}'s throughput)", briefs)
-            worth = extra * self.horizon_s > delayed * min(1.0, cost_ms / slo.ttft_ms) + lost
+            worth = self._repays(extra, cost_ms, delayed, lost, slo)
             kind = f"throughput {new.throughput:.0f} vs {cur.throughput:.0f} tok/s, both saturated"
         else:  # a tie on goodput, decided by latency
             saved = self._latency(self.current, cur, output) - self._latency(best, new, output)
