@@ -4,14 +4,8 @@ At each decision the chooser predicts every layout's service (``scheduler.servic
 the rate the node is about to serve (``scheduler.traffic``) with the queue it has, and
 keeps or changes its layout:
 
-- the best layout is the one with the highest predicted goodput; layouts within
-  ``GOODPUT_TIE`` of it (or of the rate, where that is more) count as equal, and among equals one that keeps up with the
-  rate, then the lowest predicted end-to-end latency (TTFT + output x TPOT) wins, but
-  a layout with groups only where it is faster by ``latency_gain`` (the
-  ``--flying-tp-gain`` margin: a group that is barely faster does not earn back
-  forming it), its decode step is that much faster than one engine's, the load is
-  light (``LIGHT``) and its predicted inter-token tails are no longer than DP's
-  (``TAIL_TOLERANCE``); where every equal layout is saturated, the one serving the most;
+- the best layout is the ranking's (``scheduler.layout_rank``: the highest predicted
+  goodput, latency among equals under its rules, only layouts within reach);
 - it switches only when the gain over the expected phase outlasts the switch: a
   goodput gain ``dG`` (req/s) over ``horizon_s`` seconds must exceed the requests the
   switch delays (those running, unless the current layout is saturated and they miss
@@ -31,24 +25,20 @@ keeps or changes its layout:
   of the rate's band below it, half a standard error to three, where one does
   (``_lower_edge``): what a layout serves past saturation it serves in the stream's
   lulls;
-- the candidates are the uniform layouts (DP, or every engine in groups of one
-  degree): a mixed one is not what the mechanism runs (``LayoutChooser.__init__``);
 - hysteresis: a goodput gain must exceed ``GOODPUT_MARGIN`` of the current layout's
-  goodput (and ``GOODPUT_TIE`` of the rate) across the rate estimate's uncertainty
-  (at the rate, and one standard error below and above it: a Poisson stream's 30 s
-  window varies by +-15 % at 1.5 req/s; at the band's edges the gain in the share
-  within SLO counts, so behind one arrival a layout that meets the SLOs where the
-  current one misses them wins; a gain that is not one across the band is a tie,
-  which latency may decide under its own rules) and keep ``HOLD`` of itself at the
-  costs the steps run at now, a
-  change for latency must not lose goodput, and a layout is kept at least ``DWELL_S``
-  seconds (unless another predicts over ``DWELL_BREAK`` x its goodput), so a steady
-  rate near the crossover does not flap; a layout with groups is left for its tails
-  alone only past ``TAIL_LEAVE`` (above the bar to enter it), at the rate and at the
-  upper edge of its band (where DP's tail is longest), and only for DP;
+  goodput (and ``GOODPUT_TIE`` of the rate) across the rate estimate's uncertainty (at
+  the band's edges the gain in the share within SLO counts, so behind one arrival a
+  layout that meets the SLOs where the current one misses them wins; a gain that is
+  not one across the band is a tie, which latency may decide under its own rules) and
+  keep ``HOLD`` of itself at the costs the steps run at now; a change for latency must
+  not lose goodput, and a layout is kept at least ``DWELL_S`` seconds (unless another
+  predicts over ``DWELL_BREAK`` x its goodput), so a steady rate near the crossover
+  does not flap; a layout with groups is left for its tails alone only past
+  ``TAIL_LEAVE`` (above the bar to enter it), at the rate and at the upper edge of its
+  band (where DP's tail is longest), and only for DP;
 - the layouts are evaluated at most every ``EVALUATE_S`` (requests in between take
-  the current layout), with each degree's capacity cached for the costs and the
-  request sizes (two significant digits), so a decision costs microseconds.
+  the current layout); with the ranking's capacity cache a decision costs
+  microseconds.
 
 Pure and replayable: the state is the current layout and when it was taken; every
 input comes in the call (and is written to the decision log by the caller).
@@ -56,22 +46,21 @@ input comes in the call (and is written to the decision log by the caller).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from scheduler.costs import Costs
 from scheduler.interleave import interleave_lost, interleave_ms
-from scheduler.relayout import MAX_JOIN
-from scheduler.service import Layout, Prediction, Slo, layouts, predict
+from scheduler.layout_rank import (
+    GOODPUT_MARGIN,
+    GOODPUT_TIE,
+    LIGHT,
+    LayoutRanking,
+    band_edge,
+    goodput_margin,
+)
+from scheduler.service import Layout, Prediction, Slo
 from scheduler.traffic import Traffic
 
-#: Goodputs this close (a share of the larger one, or of the rate where that is more:
-#: layouts that all serve next to nothing within SLO tie) are a tie, decided by latency.
-GOODPUT_TIE = 0.02
-#: A goodput gain must be at least this share of the current layout's goodput.
-GOODPUT_MARGIN = 0.05
-#: A goodput gain predicted at the quiet points holds at the costs the steps run at now
-#: where at least this share of it is left (``_holds_loaded``).
-HOLD = 0.5
 #: The least time a layout is kept once taken (seconds).
 DWELL_S = 5.0
 #: The dwell does not hold a layout whose predicted goodput is below 1/this of the
@@ -79,14 +68,6 @@ DWELL_S = 5.0
 DWELL_BREAK = 2.0
 #: How often the layouts are evaluated (seconds).
 EVALUATE_S = 0.25
-#: The lowest edge of the rate's uncertainty band, as a share of the rate.
-MIN_BAND = 0.01
-#: Light load: a rate at most this share of a layout's capacity. Only then may latency
-#: pick a layout with groups over an equal goodput without them.
-LIGHT = 0.5
-#: Latency picks a layout with groups only where its predicted p99 inter-token gap is
-#: at most this multiple of DP's (``Prediction.itl_tails_ms``).
-TAIL_TOLERANCE = 1.05
 #: A layout with groups is left for its tails alone only where its predicted p99 gap
 #: exceeds this multiple of DP's: above ``TAIL_TOLERANCE`` (the bar to enter it), so a
 #: layout near the bar is neither entered nor left on each evaluation's noise. (DP's
@@ -99,10 +80,6 @@ TAIL_LEAVE = 1.25
 #: a loaded group layout to DP and back (simulated, Llama-3-70B at a steady 4 req/s:
 #: a round trip every 1-3 minutes, each one moves and interleaved steps).
 TAIL_MIN_ARRIVALS = 10
-#: A layout with groups is a switch target only where its groups' predicted decode
-#: batch is at most this multiple of the largest batch their degree was measured at
-#: (1: within the measured points).
-REACH = 1.0
 #: Where no layout serves anything within SLO at the rate read, the layouts are
 #: compared this many standard errors below it, the first edge where one does
 #: (``_lower_edge``); beyond three the rate read is not where the node is. Half steps:
@@ -111,25 +88,6 @@ REACH = 1.0
 #: half of one; static TP-2 served 13.25 req/s within SLO, static TP-4 10.52).
 LOWER_EDGES = (0.5, 1.0, 1.5, 2.0, 2.5, 3.0)
 
-
-
-def _band_edge(traffic: Traffic, k: float) -> float:
-    """The rate ``k`` standard errors from the estimate (``Traffic.uncertainty``), kept
-    at least ``MIN_BAND`` of it."""
-    return max(MIN_BAND * traffic.rate, traffic.rate * (1.0 + k * traffic.uncertainty))
-
-
-def _margin(goodput: float, rate: float) -> float:
-    """The least goodput gain (req/s) over a layout serving ``goodput`` at ``rate`` that
-    pays a switch: ``GOODPUT_MARGIN`` of it, and at least ``GOODPUT_TIE`` of the rate
-    (where every layout serves next to nothing within SLO, a relative margin alone
-    takes 1e-13 req/s over 1e-28 for a gain)."""
-    return max(GOODPUT_MARGIN * goodput, GOODPUT_TIE * rate)
-
-
-def _sig2(x: float) -> float:
-    """``x`` to two significant digits (request sizes: the capacity cache's key)."""
-    return float(f"{x:.2g}")
 
 
 @dataclass(frozen=True)
@@ -159,170 +117,20 @@ class Choice:
     predictions: dict[str, dict]
 
 
-class LayoutChooser:
+
+class LayoutChooser(LayoutRanking):
+    """The adaptive policy's layout over time: the ranking's best, switched to where
+    the switch pays (module docstring)."""
+
     def __init__(self, num_engines: int, degrees: tuple[int, ...], horizon_s: float,
                  latency_gain: float, engine_kv_tokens: float, joins: bool = False):
-        # Uniform layouts only: the mechanism runs a mixed one as neither (DP requests
-        # go to every engine, binds round robin over every group of the degree), so
-        # its groups meet DP arrivals and move (docs/BENCHMARKS.md, simulated, problem 5).
-        self.candidates = layouts(num_engines, degrees, mixed=False)
-        self.current = self.candidates[0]  # DP until a group is shown to pay
+        super().__init__(num_engines, degrees, horizon_s, latency_gain, engine_kv_tokens,
+                         joins)
         self.since = float("-inf")
-        self.horizon_s = horizon_s
-        self.latency_gain = latency_gain
-        self.engine_kv_tokens = engine_kv_tokens
-        self.joins = joins  # a forming group takes its members' running DP requests in
-        self.num_engines = num_engines
         self._credit: dict[int, float] = {}
-        #: [(points, prompt, output), {degree: capacity}] for the quiet and loaded costs
-        self._quiet_caps: list = [None, {}]
-        self._loaded_caps: list = [None, {}]
         self._last: Choice | None = None
         self._evaluated = float("-inf")
 
-    def predict_all(self, costs: Costs, traffic: Traffic, queued: float, slo: Slo,
-                    rate: float | None = None, loaded: bool = False) -> dict[Layout, Prediction]:
-        """Every candidate's predicted service at ``rate`` (default: the traffic's), from
-        the quiet costs or (``loaded``) the costs as the steps run now (``Costs.loaded``).
-        Each degree's capacity is cached for the costs and sizes, the two kinds apart
-        (``capacity`` reads the quiet one)."""
-        prompt, output = _sig2(traffic.prompt or 128.0), _sig2(traffic.output or 128.0)
-        if loaded:
-            costs = costs.loaded()
-        slot = self._loaded_caps if loaded else self._quiet_caps
-        key = (costs.decode_ms, costs.curves, prompt, output)  # not the stretch: unread
-        if slot[0] != key:
-            slot[:] = [key, {}]
-        caps = slot[1]
-        out = {}
-        for layout in self.candidates:
-            p = predict(layout, costs, traffic.rate if rate is None else rate, prompt,
-                        output, queued, slo, self.horizon_s, self.engine_kv_tokens, caps)
-            if p is not None:
-                out[layout] = p
-        return out
-
-    def beside(self, lay: Layout, running: int) -> int:
-        """The running DP requests a switch from DP to ``lay`` leaves beside its groups,
-        running their DP steps between the groups' until they end: all of them, or with
-        ``joins`` those beyond ``MAX_JOIN`` a group (each group's members hold their
-        engines' share of ``running``; the rest join it with their KV, at the switch's
-        relayout cost)."""
-        if not self.joins or not lay.groups:
-            return running
-        share = running * lay.tp_degree / self.num_engines
-        return round(lay.groups * max(0.0, share - MAX_JOIN))
-
-    def capacity(self, layout: Layout) -> float:
-        """The layout's capacity (req/s) for the costs and sizes of the last prediction
-        (``predict_all`` fills the per-degree cache; 0 if a degree is not in it)."""
-        return sum(self._quiet_caps[1].get(d, 0.0) for d in layout.servers)
-
-    def _robust_gain(self, best: Layout, costs: Costs, traffic: Traffic, queued: float,
-                     slo: Slo) -> float:
-        """The least goodput gain of ``best`` over the current layout across the rate
-        estimate's one-standard-error band, at the estimated rate: at each edge of the
-        band the gain in the share of requests within SLO, times the rate. (An
-        absolute gain vanishes where the band reaches 0 req/s, as it does behind one
-        arrival, though a layout that meets the SLOs where the other misses them is
-        better at any rate; the edge is kept above 0 for that.)"""
-        gains = []
-        for k in (-1.0, 1.0):
-            rate = _band_edge(traffic, k)
-            preds = self.predict_all(costs, traffic, queued, slo, rate)
-            share = (preds[best].goodput - preds[self.current].goodput) / rate
-            gains.append(share * traffic.rate)
-        return min(gains)
-
-    def _holds_loaded(self, best: Layout, costs: Costs, traffic: Traffic, queued: float,
-                      slo: Slo, gain: float, rate: float | None = None) -> bool:
-        """Whether ``best``'s goodput gain over the current layout also holds at the
-        costs as the steps run now (``Costs.loaded``: the quiet points times each mode's
-        measured stretch): the quiet points are each mode's best, and under load every
-        step is slower, so a gain predicted from them alone may be the model's error
-        near the TPOT SLO's edge, the model's cliff (hidden-1024 model at 1.5 req/s: a
-        group predicted to serve 0.11 req/s within SLO where DP served none; both
-        streamed 4-5x past the SLO, the group 1.4x slower than DP; no decision log was
-        kept of that run, so this check is not shown to have stopped that switch). It
-        holds where at least ``HOLD`` of the ``gain`` predicted at the quiet points is
-        left, and more than the margin (at ``rate``, default the traffic's). True where
-        nothing is stretched."""
-        loaded = costs.loaded()
-        if loaded is costs:
-            return True
-        rate = traffic.rate if rate is None else rate
-        preds = self.predict_all(loaded, traffic, queued, slo, rate, loaded=True)  # scaled once
-        cur = preds[self.current].goodput
-        return preds[best].goodput - cur > max(_margin(cur, rate), HOLD * gain)
-
-    def _latency(self, lay: Layout, p: Prediction, output: float) -> float:
-        """A request's predicted end-to-end latency (ms), a layout with groups charged
-        ``latency_gain`` more (it must be that much faster to be worth forming)."""
-        e2e = p.ttft_ms + output * p.tpot_ms
-        return e2e * (1 + self.latency_gain) if lay.groups else e2e
-
-    def _best(self, preds: dict[Layout, Prediction], output: float,
-              costs: Costs | None = None, rate: float = 0.0,
-              upper: dict[Layout, Prediction] | None = None) -> Layout:
-        """The highest goodput; among ties a layout that keeps up with the rate before
-        one that does not, then the lowest latency; where every tie is saturated (an
-        overload: goodput ~0 everywhere, and the latency of a saturated layout says
-        little), the one that serves the most clears its queue soonest.
-
-        Latency picks a layout with groups only where the group's measured decode step
-        is ``latency_gain`` faster than one engine's (``Costs.gain``, the rule priority
-        requests follow): a group about as fast per step as one engine wins a predicted
-        latency tie by its prefill alone, and then, sharing the cores with the node's
-        other processes under load, streams slower than the DP engines would have
-        (measured: TPOT 1.5x groups-off on the demo model at 6 req/s). And only at light
-        load (the rate at most ``LIGHT`` of the layout's capacity): near saturation a
-        latency tie flips with each mode's measured costs, and every flip moves the
-        running requests (measured on the hidden-1024 model at 1.5 req/s: a switch every
-        5-25 s, ITL p95 2x groups-off). And only where its predicted inter-token tails
-        stay within ``TAIL_TOLERANCE`` of DP's: one group pauses every running request
-        for each arrival's prefill, where DP engines split the arrivals (measured on the
-        hidden-1024 model at 0.6 req/s: TTFT p50 0.55x DP but ITL p99 2.8x, every long
-        gap another request's prefill).
-
-        Both hold across the rate's uncertainty: ``rate`` (the light test's) is the
-        upper edge of its one-standard-error band, and the tails are checked at the rate
-        and at that edge (``upper``). On the hidden-1024 model a round's second arrival,
-        2.7 s after its first, read 0.73 req/s, under half the group's predicted
-        capacity, and the round's burst joined the group; and a group's tails grow with
-        the rate twice as fast as DP's (it takes every arrival), so a rate read from a
-        lull's few arrivals let latency form a group that the tail rule left once the
-        rate was back (at 0.6 req/s: four round trips in a round, ITL p95 1.46x
-        groups-off)."""
-        top = max(p.goodput for p in preds.values())
-        equal = [lay for lay, p in preds.items()
-                 if p.goodput >= top - GOODPUT_TIE * max(top, rate)]
-        keeping_up = [lay for lay in equal if not preds[lay].saturated]
-        if not keeping_up:
-            return max(equal, key=lambda lay: (preds[lay].throughput, -lay.groups))
-        if costs is not None:
-            fast = [lay for lay in keeping_up
-                    if self._latency_may_take(lay, preds, costs, rate, upper)]
-            keeping_up = fast or keeping_up
-        return min(keeping_up, key=lambda lay: (self._latency(lay, preds[lay], output), lay.groups))
-
-    def _latency_may_take(self, lay: Layout, preds: dict[Layout, Prediction], costs: Costs,
-                          rate: float, upper: dict[Layout, Prediction] | None) -> bool:
-        """Whether latency may pick ``lay`` over a goodput tie (``_best``'s rules): DP
-        always; a layout with groups where its degree's step is ``latency_gain`` faster,
-        the load light at ``rate`` and its tails within DP's at the rate and at
-        ``upper``."""
-        return not lay.groups or (
-            (costs.gain(lay.tp_degree) or -1.0) >= self.latency_gain
-            and rate <= LIGHT * self.capacity(lay)
-            and not self._tails_over(lay, preds)
-            and not (upper and lay in upper and self._tails_over(lay, upper)))
-
-    def _tails_over(self, lay: Layout, preds: dict[Layout, Prediction],
-                    tolerance: float = TAIL_TOLERANCE) -> bool:
-        """A layout with groups whose predicted p99 gap exceeds ``tolerance`` x DP's."""
-        dp = preds.get(self.candidates[0])
-        return bool(lay.groups) and dp is not None and \
-            preds[lay].itl_tails_ms[1] > tolerance * dp.itl_tails_ms[1]
 
     def choose(self, now: float, costs: Costs, traffic: Traffic, running: int, queued: int,
                slo: Slo, switch: SwitchCosts) -> Choice:
@@ -331,43 +139,6 @@ class LayoutChooser:
         self._evaluated = now
         self._last = self._choose(now, costs, traffic, running, queued, slo, switch)
         return self._last
-
-    def _within_reach(self, lay: Layout, p: Prediction, costs: Costs) -> bool:
-        """Whether ``lay`` may be switched to: the current layout and DP always; a layout
-        with groups only where its groups' predicted batch is within ``REACH`` of the
-        largest their degree was measured at. Beyond it the group's curve is DP's shape
-        through its last point, and a few noisy start-up points decide the prediction:
-        on the hidden-1024 model at 1.5 req/s, with a TP-2 curve measured to batch 4 by
-        the start-up calibration, the node formed a group under load that the guess
-        said kept up where two DP engines did not; its steps were no faster at the
-        batches it then ran, and 11 s later it moved 17 running requests back to DP
-        (0.7 s with every request stalled; ITL max 8.7 s in that round). A group
-        measures larger batches as it serves them (the current layout may always
-        stay), so its reach grows with the load it was shown to carry."""
-        if lay == self.current or not lay.groups:
-            return True
-        return p.group_batch <= REACH * costs.measured_batch(lay.tp_degree)
-
-    def _net_of_interleave(self, preds: dict[Layout, Prediction], cur: Prediction,
-                           running: int, rate: float, output: float,
-                           slo: Slo) -> dict[Layout, Prediction]:
-        """``preds`` with each layout with groups charged, over the horizon, the requests
-        its switch from DP would put past the TPOT SLO by interleaving with the DP
-        requests it leaves beside its groups (``interleave_lost``). Among layouts of about
-        the same goodput, one whose groups take every running request in (smaller
-        groups: ``MAX_JOIN`` each) serves its first requests within SLO where a larger
-        group beside them does not (simulated, Llama-3-70B on 4 H200s at a steady 4 req/s:
-        1xTP4 taken over 2xTP2 beside 4 DP requests of a 37 ms step, 143 of its requests
-        past a 37 ms SLO; both static layouts served all). Unchanged from groups, or
-        where DP is saturated (its requests miss whether it switches or not)."""
-        if self.current.groups or cur.saturated or running <= 0:
-            return preds
-        out = dict(preds)
-        for lay, p in preds.items():
-            if lay.groups:
-                lost = interleave_lost(cur, p, self.beside(lay, running), rate, output, slo)
-                out[lay] = replace(p, goodput=max(0.0, p.goodput - lost / self.horizon_s))
-        return out
 
     def _lower_edge(self, reach: dict[Layout, Prediction], costs: Costs, traffic: Traffic,
                     queued: float, slo: Slo) -> tuple[float, dict[Layout, Prediction]] | None:
@@ -387,7 +158,7 @@ class LayoutChooser:
         if max(p.goodput for p in reach.values()) >= GOODPUT_TIE * traffic.rate:
             return None
         for k in LOWER_EDGES:
-            rate = _band_edge(traffic, -k)
+            rate = band_edge(traffic, -k)
             low = {lay: p for lay, p in
                    self.predict_all(costs, traffic, queued, slo, rate).items() if lay in reach}
             if self.current not in low:
@@ -415,7 +186,7 @@ class LayoutChooser:
         cost_ms, delayed, lost, _ = self._charge(best, cur, new, running, traffic, output,
                                                  slo, switch)
         gain = new.goodput - cur.goodput
-        if gain <= _margin(cur.goodput, rate) or \
+        if gain <= goodput_margin(cur.goodput, rate) or \
                 not self._repays(gain, cost_ms, delayed, lost, slo):
             return Choice(self.current, f"goodput: keep {cur.layout}: {best.name} gains "
                           f"less than its margin or switch ({cost_ms:.0f} ms) {where}", briefs)
@@ -477,7 +248,7 @@ class LayoutChooser:
         # so is leaving a group for its tails.
         upper, top = None, traffic.rate
         if traffic.behind >= 2 and any(lay.groups for lay in reach):
-            top = _band_edge(traffic, 1.0)
+            top = band_edge(traffic, 1.0)
             upper = self.predict_all(costs, traffic, queued, slo, top)
         cur = preds[self.current]
         best = self._best(reach, output, costs, top, upper)
@@ -498,7 +269,7 @@ class LayoutChooser:
                                                     slo, switch)
         gain = new.goodput - cur.goodput
         tie = abs(gain) <= GOODPUT_TIE * max(new.goodput, cur.goodput, traffic.rate)
-        margin = _margin(cur.goodput, traffic.rate)
+        margin = goodput_margin(cur.goodput, traffic.rate)
         if not tie and gain > margin:
             gain = self._robust_gain(best, costs, traffic, queued, slo)
             if gain <= margin:  # a tie somewhere in the band
