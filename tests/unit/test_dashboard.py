@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from flying.node import metrics
 from workloads.reports import dashboard
+from workloads.reports import scrapes as prom
 
 pytestmark = pytest.mark.unit
 
@@ -62,7 +63,7 @@ def _flying_sample_names() -> set[str]:
     s.set_finished_time(1.5)
     metrics.observe_finished(2, s, {"finish_reason": {"type": "length"}, "completion_tokens": 5})
     metrics.count_finished("tp", 0)
-    return {name for name, _labels, _v in dashboard.parse_metrics(_collector_text(_full_doc(1, 1)))}
+    return {name for name, _labels, _v in prom.parse_metrics(_collector_text(_full_doc(1, 1)))}
 
 
 def test_committed_json_is_the_generated_dashboard():
@@ -118,18 +119,18 @@ def test_histogram_quantile_matches_prometheus():
     inf = math.inf
     # 10 observations: 4 <= 1, 8 <= 2, 10 <= +Inf
     buckets = [(1.0, 4.0), (2.0, 8.0), (inf, 10.0)]
-    assert dashboard.histogram_quantile(0.2, buckets) == pytest.approx(0.5)  # from 0 to 1
-    assert dashboard.histogram_quantile(0.6, buckets) == pytest.approx(1.5)
-    assert dashboard.histogram_quantile(0.99, buckets) == 2.0  # in +Inf: highest finite bound
-    assert math.isnan(dashboard.histogram_quantile(0.5, [(1.0, 0.0), (inf, 0.0)]))
+    assert prom.histogram_quantile(0.2, buckets) == pytest.approx(0.5)  # from 0 to 1
+    assert prom.histogram_quantile(0.6, buckets) == pytest.approx(1.5)
+    assert prom.histogram_quantile(0.99, buckets) == 2.0  # in +Inf: highest finite bound
+    assert math.isnan(prom.histogram_quantile(0.5, [(1.0, 0.0), (inf, 0.0)]))
 
 
 def test_panels_evaluate_on_the_real_collectors_series():
     """Rates and quantiles over two scrapes of the collector, 1 s apart: 2 engines bind 3
     times each (6 binds/s summed), 4 sessions each <= 1 s (p50 inside (0.5, 1])."""
     scrapes = [
-        (0.0, dashboard.parse_metrics(_collector_text(_full_doc(0, 0)))),
-        (1.0, dashboard.parse_metrics(_collector_text(_full_doc(3, 2)))),
+        (0.0, prom.parse_metrics(_collector_text(_full_doc(0, 0)))),
+        (1.0, prom.parse_metrics(_collector_text(_full_doc(3, 2)))),
     ]
     by_title = {p.title: p for p in dashboard.PANELS}
     binds = by_title["Binds and releases"].targets[0].evaluate(scrapes, window_s=5.0)
