@@ -89,7 +89,6 @@ TAIL_MIN_ARRIVALS = 10
 LOWER_EDGES = (0.5, 1.0, 1.5, 2.0, 2.5, 3.0)
 
 
-
 @dataclass(frozen=True)
 class SwitchCosts:
     """What changing layout costs, as the engines measured it (defaults: this machine's
@@ -117,7 +116,6 @@ class Choice:
     predictions: dict[str, dict]
 
 
-
 class LayoutChooser(LayoutRanking):
     """The adaptive policy's layout over time: the ranking's best, switched to where
     the switch pays (module docstring)."""
@@ -130,7 +128,6 @@ class LayoutChooser(LayoutRanking):
         self._credit: dict[int, float] = {}
         self._last: Choice | None = None
         self._evaluated = float("-inf")
-
 
     def choose(self, now: float, costs: Costs, traffic: Traffic, running: int, queued: int,
                slo: Slo, switch: SwitchCosts) -> Choice:

@@ -79,7 +79,6 @@ def _sig2(x: float) -> float:
     return float(f"{x:.2g}")
 
 
-
 class LayoutRanking:
     """The candidates' predicted service and their ranking against ``current``."""
 
@@ -98,7 +97,6 @@ class LayoutRanking:
         #: [(points, prompt, output), {degree: capacity}] for the quiet and loaded costs
         self._quiet_caps: list = [None, {}]
         self._loaded_caps: list = [None, {}]
-
 
     def predict_all(self, costs: Costs, traffic: Traffic, queued: float, slo: Slo,
                     rate: float | None = None, loaded: bool = False) -> dict[Layout, Prediction]:
@@ -243,7 +241,6 @@ class LayoutRanking:
         dp = preds.get(self.candidates[0])
         return bool(lay.groups) and dp is not None and \
             preds[lay].itl_tails_ms[1] > tolerance * dp.itl_tails_ms[1]
-
 
     def _within_reach(self, lay: Layout, p: Prediction, costs: Costs) -> bool:
         """Whether ``lay`` may be switched to: the current layout and DP always; a layout
