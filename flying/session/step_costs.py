@@ -55,6 +55,7 @@ latency at every lull.
 
 from __future__ import annotations
 
+import bisect
 import math
 import time
 from collections import deque
@@ -91,7 +92,7 @@ def bucket(kind: str, work: int) -> int:
     in powers of two from 16."""
     if kind == DECODE and work <= 4:
         return max(1, work)
-    return 1 << math.ceil(math.log2(max(work, 16 if kind == PREFILL else 1)))
+    return 1 << (max(int(work), 16 if kind == PREFILL else 1) - 1).bit_length()  # ceil(log2)
 
 
 class StepClock:
@@ -99,7 +100,7 @@ class StepClock:
     ``curves()`` -> {degree: {"decode": [[batch, ms]], "prefill": [[tokens, ms]]}}."""
 
     def __init__(self) -> None:
-        self._ms: dict[Key, deque[tuple[float, float]]] = {}  # (work, ms)
+        self._ms: dict[Key, _Window] = {}
         self._samples: dict[int, int] = {}  # single-request decode samples per degree
         self._best: dict[Key, tuple[float, float]] = {}  # lowest windowed percentile seen
         self._open: tuple[Sample, float] | None = None  # (sample, started) of a step
@@ -133,16 +134,18 @@ class StepClock:
             ratios = self._ratios.setdefault(degree, deque(maxlen=STRETCH_WINDOW))
             now = time.perf_counter() if now is None else now
             ratios.append((now, ms / self._best[key][1]))
-        window = self._ms.setdefault(key, deque(maxlen=WINDOW))
-        window.append((float(work), ms))
+        window = self._ms.get(key)
+        if window is None:
+            window = self._ms[key] = _Window()
+        window.append(float(work), ms)
         if kind == DECODE and work == 1:
             self._samples[degree] = self._samples.get(degree, 0) + 1
         if len(window) >= MIN_SAMPLES:
-            point = _point(window)
+            point = window.point()
             if point[1] < self._best.get(key, (0.0, math.inf))[1]:
                 self._best[key] = point
         if kind == DECODE and work == 1:
-            self._live_step(degree, ms, self._best.get(key, _point(window))[1])
+            self._live_step(degree, ms, (self._best.get(key) or window.point())[1])
 
     def _live_step(self, degree: int, ms: float, best: float) -> None:
         """A single-request decode step of ``ms``: the mode's live mean (each step at
@@ -156,7 +159,7 @@ class StepClock:
             self._live_low[degree] = min(mean, self._live_low.get(degree, math.inf))
 
     def _points(self) -> dict[Key, tuple[float, float]]:
-        return {key: self._best.get(key, _point(w)) for key, w in sorted(self._ms.items())}
+        return {key: self._best.get(key) or w.point() for key, w in sorted(self._ms.items())}
 
     def decode_ms(self) -> dict[int, float]:
         """Per degree: its batch-1 decode point's cost (its best windowed percentile, or
@@ -208,11 +211,36 @@ class StepClock:
         return dict(sorted(self._samples.items()))
 
 
-def _point(window: deque[tuple[float, float]]) -> tuple[float, float]:
-    """(mean work, low percentile of ms) of a window."""
-    ordered = sorted(ms for _, ms in window)
-    work = sum(w for w, _ in window) / len(window)
-    return work, ordered[int(QUANTILE * (len(ordered) - 1))]
+class _Window:
+    """A curve point's latest ``WINDOW`` samples, their ms kept sorted and their work
+    summed as they come and go, so that the point (``point``) is read at every step
+    without sorting the window again (a 64-sample sort per step was most of Flying's
+    per-step time on SGLang's loop: 0.44 % of the engines' samples at 2.8 ms decode
+    steps, ``workloads.bench_hooks``)."""
+
+    __slots__ = ("_samples", "_sorted", "_work")
+
+    def __init__(self) -> None:
+        self._samples: deque[tuple[float, float]] = deque()  # (work, ms), oldest first
+        self._sorted: list[float] = []  # the same ms, ascending
+        self._work = 0.0  # the sum of their work (whole tokens or requests: exact)
+
+    def __len__(self) -> int:
+        return len(self._samples)
+
+    def append(self, work: float, ms: float) -> None:
+        if len(self._samples) == WINDOW:
+            old_work, old_ms = self._samples.popleft()
+            del self._sorted[bisect.bisect_left(self._sorted, old_ms)]
+            self._work -= old_work
+        self._samples.append((work, ms))
+        bisect.insort(self._sorted, ms)
+        self._work += work
+
+    def point(self) -> tuple[float, float]:
+        """(mean work, ``QUANTILE`` of ms) of the window."""
+        n = len(self._sorted)
+        return self._work / n, self._sorted[int(QUANTILE * (n - 1))]
 
 
 def sample_of(batch, degree: int, interleaved: bool) -> Sample | None:
