@@ -158,3 +158,24 @@ def test_stretch_is_the_recent_steps_cost_over_their_points_best():
         clock.record(2, 5.0, "decode", 1, now=120.0 + i)
     assert clock.stretch(now=120.0 + MIN_SAMPLES) == {2: 1.0}  # DP's steps: stale
     assert 120.0 + MIN_SAMPLES - (100.0 + MIN_SAMPLES) > STRETCH_S
+
+
+def test_a_points_window_is_its_latest_samples():
+    """Past ``WINDOW`` samples a point reads the latest ones only: its low percentile
+    and mean work over them, whatever order the evicted samples came in (the window
+    keeps its ms sorted as they come and go)."""
+    import random
+
+    from flying.session.step_costs import QUANTILE, WINDOW, _Window
+
+    rng = random.Random(7)
+    window, seen = _Window(), []
+    for i in range(5 * WINDOW):
+        work, ms = float(rng.choice([5, 6, 7, 8])), rng.choice([rng.uniform(5, 60), 9.0])
+        window.append(work, ms)
+        seen.append((work, ms))
+        latest = seen[-WINDOW:]
+        ordered = sorted(m for _, m in latest)
+        assert len(window) == len(latest)
+        assert window.point() == (sum(w for w, _ in latest) / len(latest),
+                                  ordered[int(QUANTILE * (len(ordered) - 1))]), i
