@@ -55,8 +55,13 @@ __all__ = ["DP", "FlyingEngine", "Mode", "get_engine", "set_engine"]
 
 #: How long the leader waits for the group's members to reach a step boundary.
 DEFAULT_BIND_TIMEOUT_S = 30.0
-#: How often a busy engine (DP or in a session) refreshes its published status.
-STATUS_EVERY_S = 0.1
+#: How often a busy engine (DP or in a session) refreshes its published status: half
+#: the DP controller's costs refresh (``flying.node.costs_reader.REFRESH_S``), which is
+#: what reads it while serving. Each refresh builds the document and wakes the writer
+#: thread (a GIL hand-off on a loaded core): at 0.1 s that was ~0.4 % of a busy
+#: engine's samples (``workloads.bench_hooks``, decode steps ~3 ms), over a third of
+#: Flying's per-step share.
+STATUS_EVERY_S = 0.25
 #: How long an event's status publish waits for its writer before going on.
 STATUS_FLUSH_S = 2.0
 

@@ -131,7 +131,9 @@ class StepClock:
                now: float | None = None) -> None:
         key = (degree, kind, bucket(kind, work))
         if key in self._best:
-            ratios = self._ratios.setdefault(degree, deque(maxlen=STRETCH_WINDOW))
+            ratios = self._ratios.get(degree)
+            if ratios is None:
+                ratios = self._ratios[degree] = deque(maxlen=STRETCH_WINDOW)
             now = time.perf_counter() if now is None else now
             ratios.append((now, ms / self._best[key][1]))
         window = self._ms.get(key)
