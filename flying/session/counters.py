@@ -3,13 +3,18 @@ exported as Prometheus series."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
-from flying.session.status import SESSION_BUCKETS_S, SWITCH_BUCKETS_MS
+from flying.session.status import SESSION_BUCKETS_S, SWITCH_BUCKETS_MS, bucket_index
 
 
 @dataclass
 class EngineCounters:
+    """The counters (the instance's fields only: ``vars`` of it is what an engine
+    publishes) and how a session's events add to them (``moved``, ``joined``,
+    ``released``: called by ``flying.session.lifecycle``)."""
+
     binds: int = 0
     releases: int = 0
     aborted_binds: int = 0
@@ -63,3 +68,47 @@ class EngineCounters:
     #: of the upgraded, requests that left a group for a larger one (``regroup``)
     regrouped: int = 0
     join_ms_sum: float = 0.0
+
+    def moved(self, moved) -> None:
+        """A session's requests moved to DP, this member's share (``move.Moved``)."""
+        self.move_ms_sum += moved.ms
+        self.move_ms_max = max(self.move_ms_max, moved.ms)
+        self.moved_bytes += moved.bytes_in
+        self.moved_to_dp += moved.requests
+        self.moved_tokens += moved.tokens
+
+    def joined(self, joining, ms: float) -> None:
+        """Running requests joined a forming session (``join.Joining``), each counted by
+        the member it came from."""
+        self.join_ms_sum += ms
+        own, own_lens = joining.originals()
+        if own:
+            self.moved_to_tp += len(own)
+            self.moved_tokens_to_tp += sum(own_lens)
+            self.upgraded += len(own) if joining.upgrade else 0
+            self.regrouped += len(own) if joining.parked else 0
+
+    def released(self, s, t_end: float) -> None:
+        """A session (``group.GroupSession``) released at ``t_end`` (perf_counter): its
+        requests, the parts of its switch (bind -> group ready) and its length."""
+        self.releases += 1
+        self.tp_requests += len(s.scope.tokenized)
+        t0, t_rdv = s.t_bind, s.t_rendezvous
+        t_scope = s.t_ready or t_rdv
+        self.last_switch_ms = {
+            "control_ms": max(0.0, (time.time() - s.bind.issued_at) * 1e3 - (t_end - t0) * 1e3),
+            "rendezvous_ms": (t_rdv - t0) * 1e3,
+            "scope_setup_ms": (t_scope - t_rdv) * 1e3,
+            # the parts: vote, open the scope, handshake | agree on joiners, enter
+            "vote_ms": (s.t_vote - t0) * 1e3,
+            "open_ms": (s.t_open - s.t_vote) * 1e3,
+            "handshake_ms": (t_rdv - s.t_open) * 1e3,
+            "join_ms": (s.t_join - t_rdv) * 1e3 if s.t_join else 0.0,
+            "enter_ms": (t_scope - s.t_join) * 1e3 if s.t_join and s.t_ready else 0.0,
+            "session_ms": (t_end - t_scope) * 1e3,
+        }
+        switch_ms = (t_scope - t0) * 1e3
+        self.switch_hist[bucket_index(switch_ms)] += 1
+        self.switch_ms_sum += switch_ms
+        self.session_hist[bucket_index(t_end - t0, SESSION_BUCKETS_S)] += 1
+        self.session_s_sum += t_end - t0

@@ -35,22 +35,19 @@ requests like any session request that has streamed (an explicit error).
 from __future__ import annotations
 
 import logging
-import pickle
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from flying.session import layout_log, move, tp_scope
+from flying.session import join_wire, layout_log, move, tp_scope
 from flying.session.admission import agree
 from flying.session.budget import resolved_max_new_tokens
 from flying.session.move import kv_len, merge_into_running, rehome
 from flying.substrate import kv_adaptor, kv_relayout
-from flying.substrate.layout import KvSplit
 from scheduler.relayout import MAX_JOIN, running_budget
 
 logger = logging.getLogger(__name__)
-
 
 
 @dataclass
@@ -254,10 +251,11 @@ def carry(member, scheduler, joining: Joining, payload: bytes, degree: int, src:
     try:
         if faults is not None:
             faults.check("join")
-        payload = _broadcast_bytes(member, payload, src)
-        joining.shard = _scatter(member, joining.full, scheduler, sum(joining.lens), degree, src)
+        payload = join_wire.broadcast_bytes(member, payload, src)
+        joining.shard = join_wire.scatter(member, joining.full, scheduler, sum(joining.lens),
+                                         degree, src)
         if not joining.source:
-            joining.reqs = _copies(scheduler, payload)
+            joining.reqs = join_wire.copies(scheduler, payload)
         joining.t_carried = time.perf_counter()
     except BaseException:
         for res in joining.reservations:
@@ -396,75 +394,7 @@ def _take_out(scheduler, reqs: list, faults=None) -> tuple[torch.Tensor, bytes]:
     try:
         if faults is not None:
             faults.check("take_out")
-        return block, pickled(reqs)
+        return block, join_wire.pickled(reqs)
     except BaseException:  # out of DP and not yet carried: they go on in DP
         restore(scheduler, Joining(list(reqs), lens, None, full=block, source=True))
         raise
-
-
-#: What a request's copy must not share with the leader's: its tokenizer, tree locks,
-#: timing state and, under ``--enable-metrics``, the leader's Prometheus collector
-#: (its metrics hold thread locks, which do not pickle: a join then failed the group).
-_NOT_COPIED = ("tokenizer", "lock", "last_node", "time_stats", "metrics_collector")
-
-
-def pickled(reqs: list) -> bytes:
-    """The requests' state without what a copy must not share (``_NOT_COPIED``; a copy
-    gets its member's tokenizer and fresh timing state in ``_copies``)."""
-    saved = [[getattr(r, name, None) for name in _NOT_COPIED] for r in reqs]
-    try:
-        for r in reqs:
-            for name in _NOT_COPIED:
-                setattr(r, name, None)
-        return pickle.dumps(reqs, protocol=pickle.HIGHEST_PROTOCOL)
-    finally:
-        for r, values in zip(reqs, saved, strict=True):
-            for name, value in zip(_NOT_COPIED, values, strict=True):
-                setattr(r, name, value)
-
-
-def _copies(scheduler, payload: bytes) -> list:
-    """The leader's requests as this member runs them (it sends nothing for them)."""
-    from sglang.srt.observability.req_time_stats import SchedulerReqTimeStats
-
-    reqs = pickle.loads(payload)
-    for r in reqs:  # no metrics collector: the source's request reports its metrics once
-        r.tokenizer = scheduler.tokenizer
-        r.time_stats = SchedulerReqTimeStats()
-    return reqs
-
-
-def _broadcast_bytes(member, data: bytes, src: int = 0) -> bytes:
-    """TP rank ``src``'s ``data`` on every member (its length first, then the bytes)."""
-    size = member.gather_ints([len(data)])[src][0]
-    if member.tp_rank == src:
-        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
-    else:
-        buf = torch.empty(size, dtype=torch.uint8, device="meta")
-    return kv_relayout.broadcast(member, buf, src).numpy().tobytes()
-
-
-def _scatter(member, block, scheduler, tokens: int, degree: int, src: int = 0) -> torch.Tensor:
-    """This member's head shard of the source's full block ``[layers, 2, tokens, H_kv, d]``
-    (``block`` is None off the source, TP rank ``src``). The source keeps its own shard (a
-    view of ``block``) and broadcasts, stacked, one copy of each shard another member
-    holds (``_needed``: every other rank's without replication; with H_kv < degree each
-    head once, even if it lives on several ranks); each member copies out only its own."""
-    if member.tp_rank == src:
-        split = KvSplit(block.shape[3], degree)
-        sent = torch.stack([kv_relayout.shard_view(block, j, split.shards) for j in _needed(split, src)])
-        kv_relayout.broadcast(member, sent, src)
-        return kv_relayout.shard_view(block, split.shard(src), split.shards)
-    pool = scheduler.tp_worker.model_runner.token_to_kv_pool  # the DP pool (DP state)
-    heads, dim = pool.k_buffer[0].shape[1:]
-    split = KvSplit(heads, degree)
-    needed = _needed(split, src)
-    shape = (len(needed), len(pool.k_buffer), 2, tokens, split.heads_per_rank, dim)
-    sent = torch.empty(shape, dtype=pool.k_buffer[0].dtype, device="meta")
-    return kv_relayout.broadcast(member, sent, src, part=needed.index(split.shard(member.tp_rank)))
-
-
-def _needed(split: KvSplit, src: int) -> list[int]:
-    """The head groups (``KvSplit.shard``) held by some member other than ``src``, in
-    order: what the source sends in a scatter."""
-    return sorted({split.shard(r) for r in range(split.degree) if r != src})

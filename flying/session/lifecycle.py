@@ -27,7 +27,6 @@ from flying.session.drain import drain_keys
 from flying.session.drain import scheduler_form as _form
 from flying.session.group import GroupSession, State
 from flying.session.messages import Bind
-from flying.session.status import SESSION_BUCKETS_S, bucket_index
 
 logger = logging.getLogger(__name__)
 
@@ -296,12 +295,7 @@ class Lifecycle:
     def _moved(self, scheduler, s: GroupSession, moved: move.Moved) -> None:
         """The session's requests now run in DP, spread over its members: count and
         report this member's, release."""
-        c = self.counters
-        c.move_ms_sum += moved.ms
-        c.move_ms_max = max(c.move_ms_max, moved.ms)
-        c.moved_bytes += moved.bytes_in
-        c.moved_to_dp += moved.requests
-        c.moved_tokens += moved.tokens
+        self.counters.moved(moved)
         for req in moved.reqs:
             report.moved(req, s.bind.degree, move.MOVED_REASON)
         if moved.decision is not None and layout_log.enabled():
@@ -320,13 +314,7 @@ class Lifecycle:
     def _joined(self, s: GroupSession, joining: join.Joining, ms: float) -> None:
         """Running DP requests (the members', or an upgrade's) joined the forming session;
         each is counted by the member it came from."""
-        self.counters.join_ms_sum += ms
-        own, own_lens = joining.originals()
-        if own:
-            self.counters.moved_to_tp += len(own)
-            self.counters.moved_tokens_to_tp += sum(own_lens)
-            self.counters.upgraded += len(own) if joining.upgrade else 0
-            self.counters.regrouped += len(own) if joining.parked else 0
+        self.counters.joined(joining, ms)
         if joining.upgrade and self.watch.enabled:  # may outgrow this group too
             s.growable.update(r.rid for r in joining.reqs)
         if joining.upgrade:
@@ -392,29 +380,7 @@ class Lifecycle:
             scheduler.waiting_queue.append(req)
             report.moved(req, 1, f"resumed in DP: the TP-{s.bind.degree} group failed")
         self.publish_load(scheduler)
-        c = self.counters
-        c.releases += 1
-        c.tp_requests += len(s.scope.tokenized)
-        t_end = time.perf_counter()
-        t0, t_rdv = s.t_bind, s.t_rendezvous
-        t_scope = s.t_ready or t_rdv
-        c.last_switch_ms = {
-            "control_ms": max(0.0, (time.time() - s.bind.issued_at) * 1e3 - (t_end - t0) * 1e3),
-            "rendezvous_ms": (t_rdv - t0) * 1e3,
-            "scope_setup_ms": (t_scope - t_rdv) * 1e3,
-            # the parts: vote, open the scope, handshake | agree on joiners, enter
-            "vote_ms": (s.t_vote - t0) * 1e3,
-            "open_ms": (s.t_open - s.t_vote) * 1e3,
-            "handshake_ms": (t_rdv - s.t_open) * 1e3,
-            "join_ms": (s.t_join - t_rdv) * 1e3 if s.t_join else 0.0,
-            "enter_ms": (t_scope - s.t_join) * 1e3 if s.t_join and s.t_ready else 0.0,
-            "session_ms": (t_end - t_scope) * 1e3,
-        }
-        switch_ms = (t_scope - t0) * 1e3
-        c.switch_hist[bucket_index(switch_ms)] += 1
-        c.switch_ms_sum += switch_ms
-        c.session_hist[bucket_index(t_end - t0, SESSION_BUCKETS_S)] += 1
-        c.session_s_sum += t_end - t0
+        self.counters.released(s, time.perf_counter())
         self.publish(scheduler, force=True)
         logger.info(
             "flying: engine %d -> DP (bind %s released: %d TP requests, %d TP steps, "

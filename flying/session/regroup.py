@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flying.session import join, layout_log, move, tp_scope, upgrade
+from flying.session import join, join_wire, layout_log, move, tp_scope, upgrade
 from flying.session.budget import ADMISSION_SLACK
 from flying.substrate import kv_relayout
 
@@ -155,7 +155,7 @@ def gather(engine, scheduler, bind, member, faults=None) -> join.Joining | None:
     payload = b""
     if parked is not None:
         req.sampling_params.max_new_tokens = total - prompt  # travels with the copies
-        payload = join.pickled([req])
+        payload = join_wire.pickled([req])
     joining = join.Joining(
         [req] if parked is not None else [], [n], None, [res], time.perf_counter(),
         parked.full if parked is not None else None, source=parked is not None,

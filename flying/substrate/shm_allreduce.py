@@ -48,12 +48,10 @@ import fcntl
 import logging
 import mmap
 import os
-import platform
 import secrets
 import time
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -61,6 +59,7 @@ import torch
 import torch.distributed as dist
 
 from flying.substrate import shm_segment
+from flying.substrate.shm_config import WaitPolicy, enabled, slot_bytes_from_env
 
 logger = logging.getLogger(__name__)
 
@@ -76,51 +75,10 @@ _POISON_WORD = 4
 #: Dtypes the shared path sums; others (and all-gathers of any dtype) are fine for gather.
 REDUCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-ENV_ENABLE = "FLYING_SHM_ALLREDUCE"  # "0" disables the shared path (gloo everywhere)
-ENV_BYTES = "FLYING_SHM_ALLREDUCE_BYTES"  # slot size per rank
-ENV_TIMEOUT = "FLYING_SHM_ALLREDUCE_TIMEOUT_S"
-ENV_SPIN_US = "FLYING_SHM_ALLREDUCE_SPIN_US"
-DEFAULT_SLOT_BYTES = 4 << 20
 
 
 class ShmAllReduceError(RuntimeError):
     """The shared-memory group cannot complete a collective (timeout, dead peer)."""
-
-
-def enabled() -> bool:
-    """Whether the shared path may be used at all (x86-64 only, not disabled by env)."""
-    return os.environ.get(ENV_ENABLE, "1") != "0" and platform.machine() in ("x86_64", "AMD64")
-
-
-@dataclass(frozen=True)
-class WaitPolicy:
-    """How a rank waits for its peers.
-
-    Spin for ``spin_s`` (peers on other cores arrive within microseconds), then
-    ``sched_yield`` until ``yield_s`` (lets a peer sharing this core run), then sleep with
-    exponential backoff up to ``max_sleep_s`` (a descheduled or busy peer costs no core),
-    and raise ``ShmAllReduceError`` after ``timeout_s``.
-    """
-
-    spin_s: float = 50e-6
-    yield_s: float = 2e-3
-    first_sleep_s: float = 20e-6
-    max_sleep_s: float = 1e-3
-    timeout_s: float = 120.0
-
-    @classmethod
-    def from_env(cls, **overrides: float) -> WaitPolicy:
-        kw: dict[str, float] = {}
-        if os.environ.get(ENV_TIMEOUT):
-            kw["timeout_s"] = float(os.environ[ENV_TIMEOUT])
-        if os.environ.get(ENV_SPIN_US):
-            kw["spin_s"] = float(os.environ[ENV_SPIN_US]) * 1e-6
-        kw.update(overrides)
-        return cls(**kw)
-
-
-def slot_bytes_from_env() -> int:
-    return int(os.environ.get(ENV_BYTES, DEFAULT_SLOT_BYTES))
 
 
 def _data_offset(world: int) -> int:

@@ -1,5 +1,5 @@
 """What a joining request's copy carries to the other members of a group (pure: a
-stand-in for SGLang's ``Req`` with the fields ``join.pickled`` leaves behind)."""
+stand-in for SGLang's ``Req`` with the fields ``join_wire.pickled`` leaves behind)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from flying.session import join
+from flying.session import join_wire
 
 pytestmark = pytest.mark.unit
 
@@ -40,10 +40,10 @@ def test_a_copy_leaves_the_sources_locks_and_metrics_collector_behind():
               for r in reqs]
     with pytest.raises(TypeError):
         pickle.dumps(reqs)
-    copies = pickle.loads(join.pickled(reqs))
+    copies = pickle.loads(join_wire.pickled(reqs))
     assert [c.rid for c in copies] == ["a", "b"]
     assert all(c.output_ids == [1, 2, 3] for c in copies)
-    assert all(getattr(c, name) is None for c in copies for name in join._NOT_COPIED)
+    assert all(getattr(c, name) is None for c in copies for name in join_wire.NOT_COPIED)
     after = [(r.tokenizer, r.lock, r.last_node, r.time_stats, r.metrics_collector)
              for r in reqs]
     assert after == before  # the source's requests keep their own

@@ -121,13 +121,13 @@ def test_replicated_heads_scatter_to_every_replica_and_gather_once(kv_heads, m):
 
 
 def test_a_scatter_sends_each_head_group_other_members_hold_once():
-    from flying.session.join import _needed
+    from flying.session.join_wire import needed
 
-    assert _needed(KvSplit(4, 2), 0) == [1] and _needed(KvSplit(4, 2), 1) == [0]
-    assert _needed(KvSplit(8, 4), 2) == [0, 1, 3]  # no replication: every other rank's
-    assert _needed(KvSplit(2, 4), 0) == [0, 1]  # rank 1 replicates the source's head
-    assert _needed(KvSplit(2, 4), 3) == [0, 1]
-    assert _needed(KvSplit(1, 2), 1) == [0] and _needed(KvSplit(1, 4), 0) == [0]
+    assert needed(KvSplit(4, 2), 0) == [1] and needed(KvSplit(4, 2), 1) == [0]
+    assert needed(KvSplit(8, 4), 2) == [0, 1, 3]  # no replication: every other rank's
+    assert needed(KvSplit(2, 4), 0) == [0, 1]  # rank 1 replicates the source's head
+    assert needed(KvSplit(2, 4), 3) == [0, 1]
+    assert needed(KvSplit(1, 2), 1) == [0] and needed(KvSplit(1, 4), 0) == [0]
 
 
 def test_block_bytes():

@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from flying.substrate import shm_allreduce as sar
+from flying.substrate import shm_config
 from flying.substrate import shm_segment as seg
 from workloads.measure.server import free_port
 
@@ -95,8 +96,8 @@ def _reference(world: int, step: int, numel: int, dtype: torch.dtype) -> torch.T
     return acc.to(dtype)
 
 
-def _policy(**kw) -> sar.WaitPolicy:
-    return sar.WaitPolicy(**{"timeout_s": 20.0, **kw})
+def _policy(**kw) -> shm_config.WaitPolicy:
+    return shm_config.WaitPolicy(**{"timeout_s": 20.0, **kw})
 
 
 # -- scenarios (run inside the spawned processes) ----------------------------------------
@@ -236,7 +237,7 @@ def _hook_glue(rank: int, world: int, pg) -> dict:
         return t
 
     small = hooks.all_reduce(original, group, torch.full((2, 8), float(rank + 1)))
-    big = hooks.all_reduce(original, group, torch.ones(sar.slot_bytes_from_env() // 4 + 1))
+    big = hooks.all_reduce(original, group, torch.ones(shm_config.slot_bytes_from_env() // 4 + 1))
     ints = hooks.all_reduce(original, group, torch.ones(4, dtype=torch.int64))
     gathered = hooks.all_gather(original, group, torch.full((1, 3), float(rank)), -1)
     comm = group._flying_shm
@@ -332,7 +333,7 @@ def test_no_segment_left_in_dev_shm():
 
 
 def test_wait_policy_env(monkeypatch):
-    monkeypatch.setenv(sar.ENV_TIMEOUT, "3")
-    monkeypatch.setenv(sar.ENV_SPIN_US, "10")
-    p = sar.WaitPolicy.from_env()
+    monkeypatch.setenv(shm_config.ENV_TIMEOUT, "3")
+    monkeypatch.setenv(shm_config.ENV_SPIN_US, "10")
+    p = shm_config.WaitPolicy.from_env()
     assert p.timeout_s == 3.0 and p.spin_s == pytest.approx(10e-6)

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from flying.session import join, upgrade
+from flying.session import join, join_wire, upgrade
 from flying.session.admission import UPGRADE_OFFER, bind_key, candidates
 from flying.session.budget import ADMISSION_SLACK
 from flying.session.counters import EngineCounters
@@ -183,7 +183,7 @@ def test_each_member_gets_its_heads_from_whichever_member_holds_the_request(monk
 
     def run(rank: int) -> None:
         member = SimpleNamespace(tp_rank=rank)
-        got[rank] = join._scatter(member, block if rank == src else None, sched, tokens, degree, src)
+        got[rank] = join_wire.scatter(member, block if rank == src else None, sched, tokens, degree, src)
 
     threads = [threading.Thread(target=run, args=(r,)) for r in range(degree)]
     for t in threads:
