@@ -85,13 +85,35 @@ def test_a_timed_refresh_never_waits_on_the_store(monkeypatch):
     inline.gate.set()
     engine, scheduler = _busy_engine(monkeypatch, inline, slow)
     start = time.monotonic()
-    engine.publish(scheduler)  # busy: a change, published
+    engine.publish(scheduler)  # became busy: nothing yet
+    engine._status_at = 0.0  # and due
+    engine.publish(scheduler)
     engine._status_at = 0.0  # and due again
     engine.publish(scheduler)
     assert time.monotonic() - start < 0.5  # the store is held for 5 s
     assert inline.writes == []  # not through the engine's own (shared) store client
     slow.gate.set()
     assert engine.status_out.flush(2, 2) and slow.writes[-1][1] == "doc0"
+
+
+def test_becoming_busy_builds_no_document_falling_idle_does(monkeypatch):
+    """The step that serves a request arriving at an idle engine is not held up by a
+    status document; the engine falling idle publishes at once (nothing steps after)."""
+    built = []
+    engine, busy = _busy_engine(monkeypatch, GatedStore(), GatedStore())
+    monkeypatch.setattr(engine_mod.status, "document",
+                        lambda rank, eng, sched: built.append(rank) or f"doc{rank}")
+    engine.publish(busy)
+    assert built == []
+    engine._status_at -= engine_mod.STATUS_EVERY_S  # a busy engine's timed refresh
+    engine.publish(busy)
+    assert built == [0]
+    idle = SimpleNamespace(waiting_queue=[], running_batch=SimpleNamespace(is_empty=lambda: True))
+    engine.publish(idle)
+    assert built == [0, 0]
+    engine.publish(idle)  # still idle, not due: nothing
+    assert built == [0, 0]
+    engine.status_out.close()
 
 
 def test_an_event_publish_is_in_the_store_before_the_engine_goes_on(monkeypatch):
