@@ -15,6 +15,12 @@ of a decode step). Not a test: the numbers depend on the machine; the share is w
 compare.
 
     python -m workloads.bench_hooks [--model-path DIR] [--seconds 20] [--concurrency 4]
+        [--group 2]
+
+``--group 2``: every request in a TP-2 group (``X-Flying-TP: 2``) on Flying's server,
+against SGLang's own ``--tp-size 2`` server: Flying's share of a group's steps, and
+the requests each server completed in the window (SGLang's TP server runs no Flying
+hook on its steps; its share is the launcher's few frames).
 """
 
 from __future__ import annotations
@@ -39,14 +45,15 @@ FLYING = ("/flying/", "/sglang_patches/")
 SGLANG = ("/sglang/",)
 
 
-def _post(url: str, payload: dict) -> None:
+def _post(url: str, payload: dict, headers: dict | None = None) -> None:
     req = urllib.request.Request(url, data=json.dumps(payload).encode(),
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json", **(headers or {})})
     with urllib.request.urlopen(req, timeout=600) as resp:
         resp.read()
 
 
-def _load(url: str, stop: threading.Event, concurrency: int, new_tokens: int) -> list[int]:
+def _load(url: str, stop: threading.Event, concurrency: int, new_tokens: int,
+          headers: dict | None = None) -> list[int]:
     """Clients sending greedy requests back to back until ``stop``; returns the count
     each sent."""
     sent = [0] * concurrency
@@ -57,7 +64,8 @@ def _load(url: str, stop: threading.Event, concurrency: int, new_tokens: int) ->
             ids = [rng.randrange(3, 500) for _ in range(64)]
             try:
                 _post(url + "/generate", {"input_ids": ids, "sampling_params": {
-                    "max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}})
+                    "max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}},
+                      headers)
             except OSError:  # the server is stopping: the load is over
                 return
             sent[i] += 1
@@ -105,12 +113,12 @@ def _sample(pid: int, seconds: int, out: Path) -> subprocess.Popen:
     )
 
 
-def measure(name: str, args: list[str], opts, out_dir: Path) -> dict:
+def measure(name: str, args: list[str], opts, out_dir: Path, headers: dict | None = None) -> dict:
     server = Server(args, out_dir / f"{name}.log")
     try:
         server.wait_ready()
         stop = threading.Event()
-        sent = _load(server.url, stop, opts.concurrency, opts.new_tokens)
+        sent = _load(server.url, stop, opts.concurrency, opts.new_tokens, headers)
         time.sleep(3)  # the batch fills
         pids = engine_pids(server) if opts.process == "engines" else [server.proc.pid]
         samplers = [(pid, out_dir / f"{name}-{pid}.txt") for pid in pids]
@@ -140,13 +148,25 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--process", choices=("engines", "http"), default="engines",
                     help="sample the engines (schedulers) or the HTTP process (tokenizer "
                     "manager: where Flying's per-output hook runs)")
+    ap.add_argument("--group", type=int, default=0, metavar="DEGREE",
+                    help="every request asks for a TP group of DEGREE (X-Flying-TP) on "
+                    "Flying's server, against SGLang's own --tp-size DEGREE server instead "
+                    "of groups off: Flying's share of a group step, and the requests each "
+                    "served")
     ap.add_argument("--out", default="results/bench_hooks", help="directory for logs and samples")
     opts = ap.parse_args(argv)
     out_dir = Path(opts.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    base = ["--dp-size", "2"] + (["--model-path", opts.model_path] if opts.model_path else [])
-    rows = [measure("flying", base, opts, out_dir),
-            measure("groups-off", [*base, "--flying-tp-degrees", "none"], opts, out_dir)]
+    model = ["--model-path", opts.model_path] if opts.model_path else []
+    base = ["--dp-size", str(max(2, opts.group))] + model
+    if opts.group:
+        rows = [measure(f"flying-tp{opts.group}", base, opts, out_dir,
+                        {"X-Flying-TP": str(opts.group)}),
+                measure(f"sglang-tp{opts.group}",
+                        ["--tp-size", str(opts.group), "--dp-size", "1", *model], opts, out_dir)]
+    else:
+        rows = [measure("flying", base, opts, out_dir),
+                measure("groups-off", [*base, "--flying-tp-degrees", "none"], opts, out_dir)]
     print("| server | process sampled | samples | Flying's code | SGLang's code | requests |")
     print("|---|---|---|---|---|---|")
     for r in rows:
