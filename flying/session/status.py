@@ -37,6 +37,7 @@ def key(dp_rank: int) -> str:
 def document(dp_rank: int, engine, scheduler=None) -> str:
     """The engine's status as JSON, read on the engine's thread (its state is not
     safe to read from another)."""
+    decode_ms, curves = engine.clock.measured()
     doc = {
         "rank": dp_rank,
         "mode": str(engine.mode),
@@ -48,8 +49,8 @@ def document(dp_rank: int, engine, scheduler=None) -> str:
         # SGLang's default loop (``event_loop_overlap``) or its normal one
         # (``--disable-overlap-schedule``): sessions run under both (``overlap``)
         "overlap_loop": bool(getattr(scheduler, "enable_overlap", False)),
-        "decode_ms": engine.clock.decode_ms(),  # measured single-request decode step, per degree
-        "curves": engine.clock.curves(),  # measured decode / prefill points, per degree
+        "decode_ms": decode_ms,  # measured single-request decode step, per degree
+        "curves": curves,  # measured decode / prefill points, per degree
         "stretch": engine.clock.stretch(),  # how much slower each mode's steps run now
         "live_ms": engine.clock.live_ms(),  # its recent single-request decode steps, per degree
         "live_low_ms": engine.clock.live_low_ms(),  # the lowest live_ms has been

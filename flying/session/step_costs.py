@@ -163,18 +163,25 @@ class StepClock:
     def _points(self) -> dict[Key, tuple[float, float]]:
         return {key: self._best.get(key) or w.point() for key, w in sorted(self._ms.items())}
 
-    def decode_ms(self) -> dict[int, float]:
+    def measured(self) -> tuple[dict[int, float], dict[int, dict[str, list[list[float]]]]]:
+        """``(decode_ms(), curves())`` from one pass over the points (the status
+        document's, every refresh)."""
+        points = self._points()
+        return self.decode_ms(points), self.curves(points)
+
+    def decode_ms(self, points: dict[Key, tuple[float, float]] | None = None) -> dict[int, float]:
         """Per degree: its batch-1 decode point's cost (its best windowed percentile, or
         the percentile of its first few samples while it has fewer than MIN_SAMPLES)."""
         return {
             degree: round(ms, 4)
-            for (degree, kind, b), (_, ms) in self._points().items()
+            for (degree, kind, b), (_, ms) in (points or self._points()).items()
             if kind == DECODE and b == 1
         }
 
-    def curves(self) -> dict[int, dict[str, list[list[float]]]]:
+    def curves(self, points: dict[Key, tuple[float, float]] | None = None
+               ) -> dict[int, dict[str, list[list[float]]]]:
         out: dict[int, dict[str, list[list[float]]]] = {}
-        for (degree, kind, _), (work, ms) in self._points().items():
+        for (degree, kind, _), (work, ms) in (points or self._points()).items():
             curve = out.setdefault(degree, {DECODE: [], PREFILL: []})
             curve[kind].append([round(work, 2), round(ms, 4)])
         return out

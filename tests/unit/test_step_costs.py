@@ -43,6 +43,7 @@ def test_curves_keep_a_point_per_bucket_with_its_mean_work():
     assert curves[1]["decode"] == [[1.0, 10.0], [7.0, 14.0]]  # 6 and 8 share a bucket
     assert curves[2]["prefill"] == [[100.0, 30.0]]
     assert clock.decode_ms() == {1: 10.0}  # batch-1 decode only
+    assert clock.measured() == ({1: 10.0}, curves)  # the status document's one pass
     assert clock.samples() == {1: 8}
 
 
