@@ -112,6 +112,7 @@ class FlyingEngine(Lifecycle, Drain):
         self.result = PendingResult()
         self._status_at = 0.0
         self._published_busy = False
+        self._published_mode: Mode = DP
         #: writes the status off this loop (``status_writer``); None: inline (tests)
         self.status_out: StatusWriter | None = None
 
@@ -338,15 +339,16 @@ class FlyingEngine(Lifecycle, Drain):
             logger.exception("flying: engine %d could not publish its load", self.dp_rank)
 
     def publish(self, scheduler, force: bool = False, plan=None) -> None:
-        """Refresh the engine's status in the store: on events (``force``), when the engine
-        falls idle, and every ``STATUS_EVERY_S`` while busy (the first one that long
-        after it became busy), so that /flying/status is current when read (an idle
-        engine does not step).
+        """Refresh the engine's status in the store: on events (``force``; a session's
+        first step, its bind), when the engine falls idle, and every ``STATUS_EVERY_S``
+        while busy (in DP the first one that long after it became busy), so that
+        /flying/status is current when read (an idle engine does not step).
 
-        Not when it becomes busy: the document says nothing of busy (only its KV counts
-        move, for at most ``STATUS_EVERY_S``), and building it there put it in front of
-        the step that serves the request just arrived: on the demo model at 6 req/s an
-        engine falls idle and busy again for most requests."""
+        Not when DP work starts on an idle engine: the document says nothing of busy
+        (only its KV counts move, for at most ``STATUS_EVERY_S``), and building it there
+        put it in front of the step that serves the request just arrived: on the demo
+        model at 6 req/s an engine falls idle and busy again for most requests. A
+        session starting is an event (its mode and bind count): published at once."""
         if self.pool is None:
             return
         now = time.monotonic()
@@ -354,16 +356,17 @@ class FlyingEngine(Lifecycle, Drain):
         batch = plan.batch_to_run if plan is not None else None
         busy = bool(scheduler.waiting_queue) or batch is not None or not running.is_empty()
         busy = busy or self.session is not None
-        if busy and not self._published_busy and not force:
-            self._published_busy, self._status_at = True, now
+        mode = self.mode
+        if busy and not self._published_busy and not force and mode == self._published_mode:
+            self._published_busy, self._status_at = True, now  # DP work starting: no event
             return
-        # On falling idle too: work that starts and ends between two timed refreshes
-        # would otherwise never be published (an idle engine does not step, so nothing
-        # refreshes it later).
-        changed = busy != self._published_busy
+        # On falling idle and on a change of mode too: work that starts and ends
+        # between two timed refreshes would otherwise never be published (an idle
+        # engine does not step, so nothing refreshes it later).
+        changed = busy != self._published_busy or mode != self._published_mode
         if force or changed or now - self._status_at >= STATUS_EVERY_S:
             self._status_at = now
-            self._published_busy = busy
+            self._published_busy, self._published_mode = busy, mode
             if self.status_out is None:
                 status.publish(self.pool.store, self.dp_rank, self, scheduler)
                 return

@@ -10,6 +10,7 @@ import pytest
 
 from flying.session import engine as engine_mod
 from flying.session.engine import FlyingEngine
+from flying.session.group import Mode
 from flying.session.status_writer import StatusWriter
 
 pytestmark = pytest.mark.unit
@@ -98,7 +99,8 @@ def test_a_timed_refresh_never_waits_on_the_store(monkeypatch):
 
 def test_becoming_busy_builds_no_document_falling_idle_does(monkeypatch):
     """The step that serves a request arriving at an idle engine is not held up by a
-    status document; the engine falling idle publishes at once (nothing steps after)."""
+    status document; the engine falling idle publishes at once (nothing steps after),
+    and so does a session starting (its mode and bind count)."""
     built = []
     engine, busy = _busy_engine(monkeypatch, GatedStore(), GatedStore())
     monkeypatch.setattr(engine_mod.status, "document",
@@ -113,6 +115,11 @@ def test_becoming_busy_builds_no_document_falling_idle_does(monkeypatch):
     assert built == [0, 0]
     engine.publish(idle)  # still idle, not due: nothing
     assert built == [0, 0]
+    engine.session = SimpleNamespace(mode=Mode(2))  # a bind on the idle engine: an event
+    engine.publish(busy)
+    assert built == [0, 0, 0]
+    engine.publish(busy)  # in the session, not due: nothing
+    assert built == [0, 0, 0]
     engine.status_out.close()
 
 
