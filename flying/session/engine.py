@@ -112,7 +112,7 @@ class FlyingEngine(Lifecycle, Drain):
         self.result = PendingResult()
         self._status_at = 0.0
         self._published_busy = False
-        self._published_mode: Mode = DP
+        self._published_degree = 1  # the mode's degree in the last published document
         #: writes the status off this loop (``status_writer``); None: inline (tests)
         self.status_out: StatusWriter | None = None
 
@@ -356,17 +356,17 @@ class FlyingEngine(Lifecycle, Drain):
         batch = plan.batch_to_run if plan is not None else None
         busy = bool(scheduler.waiting_queue) or batch is not None or not running.is_empty()
         busy = busy or self.session is not None
-        mode = self.mode
-        if busy and not self._published_busy and not force and mode == self._published_mode:
+        degree = self.session.bind.degree if self.session is not None else 1  # its mode
+        if busy and not self._published_busy and not force and degree == self._published_degree:
             self._published_busy, self._status_at = True, now  # DP work starting: no event
             return
         # On falling idle and on a change of mode too: work that starts and ends
         # between two timed refreshes would otherwise never be published (an idle
         # engine does not step, so nothing refreshes it later).
-        changed = busy != self._published_busy or mode != self._published_mode
+        changed = busy != self._published_busy or degree != self._published_degree
         if force or changed or now - self._status_at >= STATUS_EVERY_S:
             self._status_at = now
-            self._published_busy, self._published_mode = busy, mode
+            self._published_busy, self._published_degree = busy, degree
             if self.status_out is None:
                 status.publish(self.pool.store, self.dp_rank, self, scheduler)
                 return

@@ -10,7 +10,6 @@ import pytest
 
 from flying.session import engine as engine_mod
 from flying.session.engine import FlyingEngine
-from flying.session.group import Mode
 from flying.session.status_writer import StatusWriter
 
 pytestmark = pytest.mark.unit
@@ -115,7 +114,7 @@ def test_becoming_busy_builds_no_document_falling_idle_does(monkeypatch):
     assert built == [0, 0]
     engine.publish(idle)  # still idle, not due: nothing
     assert built == [0, 0]
-    engine.session = SimpleNamespace(mode=Mode(2))  # a bind on the idle engine: an event
+    engine.session = SimpleNamespace(bind=SimpleNamespace(degree=2))  # a bind: an event
     engine.publish(busy)
     assert built == [0, 0, 0]
     engine.publish(busy)  # in the session, not due: nothing
