@@ -174,14 +174,14 @@ class StepClock:
         the percentile of its first few samples while it has fewer than MIN_SAMPLES)."""
         return {
             degree: round(ms, 4)
-            for (degree, kind, b), (_, ms) in (points or self._points()).items()
+            for (degree, kind, b), (_, ms) in (self._points() if points is None else points).items()
             if kind == DECODE and b == 1
         }
 
     def curves(self, points: dict[Key, tuple[float, float]] | None = None
                ) -> dict[int, dict[str, list[list[float]]]]:
         out: dict[int, dict[str, list[list[float]]]] = {}
-        for (degree, kind, _), (work, ms) in (points or self._points()).items():
+        for (degree, kind, _), (work, ms) in (self._points() if points is None else points).items():
             curve = out.setdefault(degree, {DECODE: [], PREFILL: []})
             curve[kind].append([round(work, 2), round(ms, 4)])
         return out

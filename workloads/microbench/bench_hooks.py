@@ -18,9 +18,12 @@ compare.
         [--group 2]
 
 ``--group 2``: every request in a TP-2 group (``X-Flying-TP: 2``) on Flying's server,
-against SGLang's own ``--tp-size 2`` server: Flying's share of a group's steps, and
-the requests each server completed in the window (SGLang's TP server runs no Flying
-hook on its steps; its share is the launcher's few frames).
+against SGLang's own ``--tp-size 2`` server, and the requests each server completed in
+the window. Both servers' shares then include the collectives: on the CPU platform
+SGLang's TP server runs Flying's shared-memory all-reduce too (``sglang_patches``), so
+"Flying's code" there is mostly waiting for the peer, and in Flying's groups also the
+weight views' matmuls (a linear layer's work in a group); split the samples by frame to
+see the per-step hooks apart (docs/BENCHMARKS.md, session 47).
 """
 
 from __future__ import annotations
