@@ -31,9 +31,10 @@ keeps or changes its layout:
   layout that meets the SLOs where the current one misses them wins; a gain that is
   not one across the band is a tie, which latency may decide under its own rules) and
   keep ``HOLD`` of itself at the costs the steps run at now; a change for latency must
-  not lose goodput, and a layout is kept at least ``DWELL_S`` seconds (unless another
-  predicts over ``DWELL_BREAK`` x its goodput), so a steady rate near the crossover
-  does not flap; a layout with groups is left for its tails alone only past
+  not lose goodput and must be ``latency_gain`` faster than the current layout, into
+  groups or out of them (``_latency_saved``), and a layout is kept at least
+  ``DWELL_S`` seconds (unless another predicts over ``DWELL_BREAK`` x its goodput), so
+  a steady rate near the crossover does not flap; a layout with groups is left for its tails alone only past
   ``TAIL_LEAVE`` (above the bar to enter it), at the rate and at the upper edge of its
   band (where DP's tail is longest), and only for DP;
 - the layouts are evaluated at most every ``EVALUATE_S`` (requests in between take
@@ -194,6 +195,22 @@ class LayoutChooser(LayoutRanking):
         return Choice(best, f"goodput: {cur.layout} -> {best.name} (goodput "
                       f"{new.goodput:.2f} vs {cur.goodput:.2f} req/s {where})", briefs)
 
+    def _latency_saved(self, cur: Prediction, new: Prediction, output: float) -> float:
+        """Request-ms a switch for latency saves each request: the current layout's
+        predicted end-to-end latency less the new one's charged ``latency_gain`` more,
+        in either direction. Charging only a layout with groups (``_latency``, the
+        ranking's rule) set one bar for entering a group and for leaving it, so a
+        latency tie near it flipped with each evaluation's estimates: on the
+        hidden-1024 model at 1.5 req/s (SGLang's benchmark, session 48) the node left
+        its TP-2 group for DP six times, predicting DP from 9 % slower to 7 % faster
+        than the group, and went back on goodput 0.4-37 s later, each round trip
+        moving the running requests (TPOT p50 0.71-1.44x groups off by round); with
+        this bar it kept the group throughout (0.70-0.86x). The bar holds a group
+        whose prefills pause every running request, too: on a checkpoint of hidden
+        512 at 3 req/s its ITL p95 was 0.89-1.58x groups off (docs/BENCHMARKS.md)."""
+        return cur.ttft_ms + output * cur.tpot_ms - \
+            (new.ttft_ms + output * new.tpot_ms) * (1 + self.latency_gain)
+
     def _dwells(self, now: float, cur: Prediction, new: Prediction) -> bool:
         """The current layout is held: taken under ``DWELL_S`` ago, and the other does
         not predict over ``DWELL_BREAK`` x its goodput."""
@@ -272,8 +289,7 @@ class LayoutChooser(LayoutRanking):
             if gain <= margin:  # a tie somewhere in the band
                 if cur.saturated or new.saturated or regroup or not (
                         self._latency_may_take(best, reach, costs, top, upper)
-                        and self._latency(best, new, output)
-                        < self._latency(self.current, cur, output)):
+                        and self._latency_saved(cur, new, output) > 0):
                     return Choice(self.current, f"goodput: keep {cur.layout} ({best.name} "
                                   "not better across the rate's uncertainty)", briefs)
                 tie = True  # latency may decide it, as any tie
@@ -305,7 +321,10 @@ class LayoutChooser(LayoutRanking):
             worth = self._repays(extra, cost_ms, delayed, lost, slo)
             kind = f"throughput {new.throughput:.0f} vs {cur.throughput:.0f} tok/s, both saturated"
         else:  # a tie on goodput, decided by latency
-            saved = self._latency(self.current, cur, output) - self._latency(best, new, output)
+            saved = self._latency_saved(cur, new, output)
+            if saved <= 0:
+                return Choice(self.current, f"goodput: keep {cur.layout} ({best.name} not "
+                              f"{self.latency_gain:.0%} faster end to end)", briefs)
             # not for a request's SLO (expected): a latency gain must not cost goodput,
             # and must repay what interleaving with the running DP requests adds
             drag = 0.0 if self.current.groups or not best.groups else \
