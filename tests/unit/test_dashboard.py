@@ -1,4 +1,4 @@
-"""The Grafana dashboard: valid JSON generated from ``workloads.dashboard.PANELS``, reading
+"""The Grafana dashboard: valid JSON generated from ``workloads.reports.panels.PANELS``, reading
 only series that Flying's collector or SGLang 0.5.23 export, every panel on a datasource;
 and the rendering's PromQL-equivalent computations on series from the real collector."""
 
@@ -13,7 +13,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from flying.node import metrics
-from workloads.reports import dashboard
+from workloads.reports import dashboard, panels
 from workloads.reports import scrapes as prom
 
 pytestmark = pytest.mark.unit
@@ -78,7 +78,7 @@ def test_dashboard_json_is_valid_with_a_datasource_on_every_panel_and_target():
     assert names == ["datasource", "instance", "model_name"]  # SGLang's filters + datasource
     assert doc["uid"] and doc["title"] and doc["schemaVersion"] >= 36
     ids = [p["id"] for p in doc["panels"]]
-    assert len(ids) == len(set(ids)) == len(dashboard.PANELS)
+    assert len(ids) == len(set(ids)) == len(panels.PANELS)
     for panel in doc["panels"]:
         assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, panel["title"]
         assert panel["type"] == "timeseries" and panel["targets"], panel["title"]
@@ -132,7 +132,7 @@ def test_panels_evaluate_on_the_real_collectors_series():
         (0.0, prom.parse_metrics(_collector_text(_full_doc(0, 0)))),
         (1.0, prom.parse_metrics(_collector_text(_full_doc(3, 2)))),
     ]
-    by_title = {p.title: p for p in dashboard.PANELS}
+    by_title = {p.title: p for p in panels.PANELS}
     binds = by_title["Binds and releases"].targets[0].evaluate(scrapes, window_s=5.0)
     assert binds == {"binds": ([1.0], [pytest.approx(6.0)])}
     p50 = by_title["Group session length"].targets[0].evaluate(scrapes, window_s=5.0)
