@@ -34,9 +34,9 @@ keeps or changes its layout:
   not lose goodput and must be ``latency_gain`` faster than the current layout, into
   groups or out of them (``_latency_saved``), and a layout is kept at least
   ``DWELL_S`` seconds (unless another predicts over ``DWELL_BREAK`` x its goodput), so
-  a steady rate near the crossover does not flap; a layout with groups is left for its tails alone only past
-  ``TAIL_LEAVE`` (above the bar to enter it), at the rate and at the upper edge of its
-  band (where DP's tail is longest), and only for DP;
+  a steady rate near the crossover does not flap; a layout with groups is left for its
+  tails alone only past ``TAIL_LEAVE`` (above the bar to enter it), at the rate and at
+  the upper edge of its band (where DP's tail is longest), and only for DP;
 - the layouts are evaluated at most every ``EVALUATE_S`` (requests in between take
   the current layout); with the ranking's capacity cache a decision costs
   microseconds.
