@@ -208,8 +208,7 @@ class LayoutChooser(LayoutRanking):
         this bar it kept the group throughout (0.70-0.86x). The bar holds a group
         whose prefills pause every running request, too: on a checkpoint of hidden
         512 at 3 req/s its ITL p95 was 0.89-1.58x groups off (docs/BENCHMARKS.md)."""
-        return cur.ttft_ms + output * cur.tpot_ms - \
-            (new.ttft_ms + output * new.tpot_ms) * (1 + self.latency_gain)
+        return cur.e2e_ms(output) - new.e2e_ms(output) * (1 + self.latency_gain)
 
     def _dwells(self, now: float, cur: Prediction, new: Prediction) -> bool:
         """The current layout is held: taken under ``DWELL_S`` ago, and the other does
@@ -331,8 +330,7 @@ class LayoutChooser(LayoutRanking):
                 interleave_ms(cur, new, left, traffic.rate, output)
             worth = lost < 1.0 and \
                 saved * traffic.rate * self.horizon_s > delayed * cost_ms + drag
-            kind = f"latency {new.ttft_ms + output * new.tpot_ms:.0f} vs " \
-                   f"{cur.ttft_ms + output * cur.tpot_ms:.0f} ms"
+            kind = f"latency {new.e2e_ms(output):.0f} vs {cur.e2e_ms(output):.0f} ms"
         if not worth:
             return Choice(self.current, f"goodput: keep {cur.layout}: {best.name} gains "
                           f"less than its switch ({cost_ms:.0f} ms)", briefs)

@@ -176,7 +176,7 @@ class LayoutRanking:
     def _latency(self, lay: Layout, p: Prediction, output: float) -> float:
         """A request's predicted end-to-end latency (ms), a layout with groups charged
         ``latency_gain`` more (it must be that much faster to be worth forming)."""
-        e2e = p.ttft_ms + output * p.tpot_ms
+        e2e = p.e2e_ms(output)
         return e2e * (1 + self.latency_gain) if lay.groups else e2e
 
     def _best(self, preds: dict[Layout, Prediction], output: float,

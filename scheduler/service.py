@@ -113,6 +113,10 @@ class Prediction:
     #: (``LayoutChooser``'s measured reach)
     group_batch: float = 0.0
 
+    def e2e_ms(self, output: float) -> float:
+        """A request's predicted end-to-end latency for ``output`` tokens."""
+        return self.ttft_ms + output * self.tpot_ms
+
     def brief(self) -> dict:
         return {
             "goodput": round(self.goodput, 3), "ttft_ms": round(self.ttft_ms, 1),

@@ -160,7 +160,11 @@ class StepClock:
             self._live_now[degree] = mean
             self._live_low[degree] = min(mean, self._live_low.get(degree, math.inf))
 
-    def _points(self) -> dict[Key, tuple[float, float]]:
+    def _points(self, given: dict[Key, tuple[float, float]] | None = None
+                ) -> dict[Key, tuple[float, float]]:
+        """The points: ``given`` (read once by the caller, even if empty), else read now."""
+        if given is not None:
+            return given
         return {key: self._best.get(key) or w.point() for key, w in sorted(self._ms.items())}
 
     def measured(self) -> tuple[dict[int, float], dict[int, dict[str, list[list[float]]]]]:
@@ -174,14 +178,14 @@ class StepClock:
         the percentile of its first few samples while it has fewer than MIN_SAMPLES)."""
         return {
             degree: round(ms, 4)
-            for (degree, kind, b), (_, ms) in (self._points() if points is None else points).items()
+            for (degree, kind, b), (_, ms) in self._points(points).items()
             if kind == DECODE and b == 1
         }
 
     def curves(self, points: dict[Key, tuple[float, float]] | None = None
                ) -> dict[int, dict[str, list[list[float]]]]:
         out: dict[int, dict[str, list[list[float]]]] = {}
-        for (degree, kind, _), (work, ms) in (self._points() if points is None else points).items():
+        for (degree, kind, _), (work, ms) in self._points(points).items():
             curve = out.setdefault(degree, {DECODE: [], PREFILL: []})
             curve[kind].append([round(work, 2), round(ms, 4)])
         return out
