@@ -37,7 +37,6 @@ it runs where its prompt fits and may grow to that place's limit.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -51,37 +50,6 @@ from scheduler.traffic import Traffic
 __all__ = ["Costs", "Traffic", "SwitchCosts", "Slo"]
 
 POLICIES = ("adaptive", "static-dp", "static-tp", "manual")
-PRIORITY_NAMES = {"low": -1, "normal": 0, "high": 1}
-
-
-#: SGLang's own bound on a request's priority (a signed 64-bit integer).
-PRIORITY_MIN, PRIORITY_MAX = -(1 << 63), (1 << 63) - 1
-_INTEGER = re.compile(r"[+-]?[0-9]{1,19}")
-
-
-def parse_priority(value: str | int | None) -> int:
-    """``high|normal|low|<int>`` -> int (higher is more urgent). Raises ValueError.
-
-    Integers are ASCII digits with an optional sign, within SGLang's signed 64-bit range;
-    booleans, floats and anything else are refused."""
-    if value is None:
-        return 0
-    if isinstance(value, bool):
-        raise ValueError(f"invalid priority {value!r}: expected high, normal, low or an integer")
-    if isinstance(value, int):
-        number = value
-    else:
-        text = str(value).strip().lower()
-        if text in PRIORITY_NAMES:
-            return PRIORITY_NAMES[text]
-        if not isinstance(value, str) or not _INTEGER.fullmatch(text):
-            raise ValueError(
-                f"invalid priority {value!r}: expected high, normal, low or an integer"
-            )
-        number = int(text)
-    if not PRIORITY_MIN <= number <= PRIORITY_MAX:
-        raise ValueError(f"invalid priority {value!r}: outside the signed 64-bit range")
-    return number
 
 
 @dataclass(frozen=True)

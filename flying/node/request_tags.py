@@ -75,7 +75,7 @@ def check_headers(headers) -> Controls:
     """Validate Flying's headers and SGLang's routing-key header (ValueError: HTTP 400)."""
     if headers is None:
         return Controls()
-    from scheduler.policy import parse_priority
+    from scheduler.priority import parse_priority
 
     cfg = get_config()
     check_routing_key(_one(headers, ROUTING_KEY_HEADER), "x-smg-routing-key header")
@@ -153,7 +153,7 @@ def _parse_degree(value: str, allowed: list[int]) -> int:
 
 
 def _check_body_priority(value) -> None:
-    from scheduler.policy import PRIORITY_MAX, PRIORITY_MIN
+    from scheduler.priority import PRIORITY_MAX, PRIORITY_MIN
 
     if value is None:
         return

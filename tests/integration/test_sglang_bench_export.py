@@ -16,7 +16,7 @@ import sys
 import pytest
 import requests
 
-from scheduler.policy import PRIORITY_NAMES
+from scheduler.priority import PRIORITY_NAMES
 
 pytestmark = pytest.mark.integration
 

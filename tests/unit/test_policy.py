@@ -15,8 +15,8 @@ from scheduler.policy import (
     Policy,
     PolicyConfig,
     Request,
-    parse_priority,
 )
+from scheduler.priority import parse_priority
 from scheduler.replay import record, replay
 
 pytestmark = pytest.mark.unit
