@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 
 from flying.node.config import FlyingConfig
 from flying.node.placement import DEFAULT_MAX_NEW_TOKENS
-from scheduler.policy import PRIORITY_NAMES
+from scheduler.priority import PRIORITY_NAMES
 from workloads.load.trace import TraceRequest
 from workloads.measure.records import RequestRecord
 from workloads.sim.batching import SimRequest
