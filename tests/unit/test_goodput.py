@@ -950,3 +950,27 @@ def test_requests_waiting_now_cost_a_layout_that_keeps_up_only_while_they_drain(
     assert behind.ttft_ms > 2 * slo.ttft_ms  # the mean still carries the whole backlog
     assert 1.0 > behind.goodput > 0.9 > longer.goodput > 0.5  # ~1 s and ~3 s to drain
     assert short.goodput < 0.5  # over a short horizon the backlog is most of it
+
+
+def test_a_moderate_burst_after_a_quiet_phase_is_read_and_so_are_its_end_and_the_next():
+    """cpu-three-peak's shape: 10 s at 0.5 req/s, 10 s at 3.5, 10 s at 0.5, 10 s at 3.5
+    (evenly spaced). Tested against a long rate that counted the window's own arrivals,
+    no burst was read and the node predicted them at the mixed 30 s rate (2.2 req/s on
+    a real run of the preset); against the rate before the window, each burst is read
+    within 3 s at its own rate, and the quiet phase between them within 10 s (by the
+    10 s window: 6 arrivals where 35 were expected)."""
+    arrivals, times = Arrivals(), []
+    for start, rate in ((0.0, 0.5), (10.0, 3.5), (20.0, 0.5), (30.0, 3.5)):
+        times += [start + i / rate for i in range(int(10 * rate))]
+    starts = []
+    for t in times:
+        arrivals.note(t, 100, 30)
+        before = arrivals.phases
+        traffic = arrivals.traffic(t)
+        if arrivals.phases != before:
+            starts.append((t, traffic.rate))
+    assert len(starts) == 3, starts
+    (b1, r1), (q, rq), (b2, r2) = starts
+    assert 10.0 < b1 <= 13.0 and r1 >= 3.0
+    assert 20.0 < q <= 30.0 and rq <= 1.0
+    assert 30.0 < b2 <= 33.0 and r2 >= 3.0
