@@ -49,7 +49,8 @@ class Traffic:
     n_short: int = 0  # arrivals behind each rate
     n_long: int = 0
     #: the short window's length (s): ``SHORT_S``, or the silence before this arrival
-    #: where that is longer (``Arrivals``)
+    #: where that is longer, or a longer window of ``WINDOWS_S`` that shows a change
+    #: (``Arrivals``)
     window_s: float = SHORT_S
 
     @property
