@@ -226,11 +226,13 @@ class Arrivals:
         best = self._window(base, age, window, strict=window > self.short_s)
         # a silence's phase starts just after the arrival before it
         back = math.nextafter(window, 0.0) if window > self.short_s else window
+        surprise = best.surprise  # each window's, read once (``short`` is it < SIGNIFICANCE)
         for w in self.windows[1:]:
             if best.window_s < w <= self.long_s:
                 other = self._window(base, age, w)
-                if other.short and (not best.short or other.surprise < best.surprise):
-                    best, back = other, w
+                p = other.surprise
+                if p < min(surprise, SIGNIFICANCE):  # a change, and surer than best's
+                    best, back, surprise = other, w, p
         return best, back
 
     def _window(self, base: Traffic, age: float, window: float,
