@@ -30,6 +30,9 @@ class EngineCounters:
     preempted_dp_requests: int = 0
     tp_requests: int = 0
     tp_steps: int = 0
+    #: TP steps whose result SGLang's overlap loop processed after launching the next
+    #: TP step (``flying.session.overlap``: a group's steps overlapped as DP steps are)
+    overlapped_tp_steps: int = 0
     #: DP steps an engine ran between the TP steps of its sessions
     dp_steps_in_session: int = 0
     #: the most TP steps a member ran in a row while it had DP work waiting (the

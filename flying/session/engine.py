@@ -35,7 +35,7 @@ import logging
 import time
 from collections import deque
 
-from flying.session import move, standby, status, tp_scope, upgrade
+from flying.session import move, overlap, standby, status, tp_scope, upgrade
 from flying.session.aborts import AbortBook
 from flying.session.counters import EngineCounters
 from flying.session.drain import Drain, nothing_running
@@ -44,7 +44,6 @@ from flying.session.faults import FaultSwitch, step_delays
 from flying.session.group import DP, GroupSession, Mode, State
 from flying.session.lifecycle import Lifecycle
 from flying.session.messages import Bind
-from flying.session.overlap import PendingResult
 from flying.session.status_writer import StatusWriter
 from flying.session.step_costs import StepClock, sample_of
 from flying.substrate.comm_pool import CommPool
@@ -109,7 +108,7 @@ class FlyingEngine(Lifecycle, Drain):
         self.faults = FaultSwitch(pool.store if pool else None, dp_rank)
         self._merged_for = ""  # the bind that waited one DP step (``_merge_first``)
         #: SGLang's overlap loop: the pending result, processed before a state change
-        self.result = PendingResult()
+        self.result = overlap.PendingResult()
         self._status_at = 0.0
         self._published_busy = False
         self._published_degree = 1  # the mode's degree in the last published document
@@ -170,7 +169,12 @@ class FlyingEngine(Lifecycle, Drain):
         returns the input SGLang should process, binds taken out."""
         s = self.session
         if s is not None and s.scope.entered:
-            self.result.process(scheduler)  # the group step's, in its TP state
+            # The group step's result: kept for the loop when the next step is a group
+            # step again (``overlap``), else processed now, in its TP state.
+            if s.failure is None and overlap.keeps(s.shared) and self.result.keep(scheduler):
+                self.counters.overlapped_tp_steps += 1
+            else:
+                self.result.process(scheduler)
             if s.failure is not None:
                 self._contain(scheduler, s, s.failure)
             else:
@@ -197,8 +201,8 @@ class FlyingEngine(Lifecycle, Drain):
         """SGLang's ``get_next_batch_to_run`` for this step (the engine is in DP state);
         the interval to the next boundary is this step's measured cost."""
         started = self.clock.boundary()
-        if self.session is not None or self.pending:  # the state may change here
-            self.result.process(scheduler)
+        if (self.session is not None or self.pending) and not self.result.kept:
+            self.result.process(scheduler)  # the state may change here
         self.watch.check(scheduler)
         plan = self._next_batch(scheduler, original)
         if self.standby is not None:  # the bind did not start here (or took none)
@@ -232,7 +236,9 @@ class FlyingEngine(Lifecycle, Drain):
             s.dp_held = s.dp_held and s.dp_work
             if not s.scope.entered:  # DP state (not the boundary that just bound it)
                 s.dp_arrived = s.dp_work and (s.dp_arrived or bool(scheduler.waiting_queue))
-            if s.dp_turn and s.dp_work:
+            # With a group step's result kept, every member runs the group step: this
+            # member's DP work goes after it, once the exchange has announced it.
+            if s.dp_turn and s.dp_work and not self.result.kept:
                 s.dp_turn = False
                 plan = self._dp_step(scheduler, s, original)
                 if plan is not None:

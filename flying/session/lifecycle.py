@@ -225,6 +225,8 @@ class Lifecycle(Release):
         # What SGLang's loop does next; done here so that containment finds the batch's
         # requests (and frees their rows) if the exchange below raises.
         scheduler.running_batch, s.batch = plan.running_batch, batch
+        if batch is None and self.result.kept:  # the load below must count its finishes
+            self.result.process(scheduler)
         self.publish(scheduler, plan=plan)
         self.faults.check("step")
         # Admission stays open (DP work runs between group steps, so it never waits

@@ -158,8 +158,13 @@ def to_dp(scheduler, s, dp_limit: int, faults=None) -> Moved | None:
 
 
 def _dp_load(scheduler) -> int:
-    """DP requests on this engine (DP state): running and waiting."""
-    return len(scheduler.running_batch.reqs) + len(scheduler.waiting_queue)
+    """DP requests on this engine (DP state): running, waiting, and just prefilled (a
+    prefill batch that SGLang's next formation merges into the running batch)."""
+    last = scheduler.last_batch
+    fresh = 0
+    if last is not None and last is not scheduler.running_batch and last.forward_mode.is_extend():
+        fresh = sum(1 for r in last.reqs if not r.finished() and r is not scheduler.chunked_req)
+    return len(scheduler.running_batch.reqs) + len(scheduler.waiting_queue) + fresh
 
 
 def holds_dp(scheduler, scope) -> bool:

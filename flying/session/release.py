@@ -51,6 +51,10 @@ class Release:
         leader hands a failed session's requests to DP (``rerun``: as they arrived;
         ``resume``: SGLang ``Req``s with their output so far, ``containment.abandon``)."""
         try:
+            if self.result.kept:  # a group step's result: processed in its TP state
+                if not s.scope.entered:
+                    s.scope.enter()
+                self.result.process(scheduler)
             s.scope.leave()
         finally:
             s.scope.release_all()

@@ -32,8 +32,19 @@ def normal_loop_server(demo_model_dir, tmp_path_factory):
     )
 
 
-def test_flying_runs_sglangs_default_overlap_loop(dp2_server):
-    assert engine_counter(wait_idle(dp2_server), "overlap_loop") == [True, True]
+def test_flying_runs_sglangs_default_overlap_loop(dp2_server, demo_model_dir):
+    """A group's steps overlap there too (each result processed after the next group
+    step is launched), with the group's tokens equal to transformers'."""
+    before = wait_idle(dp2_server)
+    assert engine_counter(before, "overlap_loop") == [True, True]
+    ids = prompts(1, 14, seed=37)[0]
+    tp = greedy(dp2_server, ids, SHORT, TP2)
+    assert tp["meta_info"]["flying"]["mode"] == "tp"
+    assert tp["output_ids"] == greedy_tokens(demo_model_dir, ids, SHORT)
+    after = settled(dp2_server, before)
+    steps = delta(after, before, "tp_steps")
+    # every member overlaps every step but the session's last (its load must be read)
+    assert steps >= 2 * SHORT and delta(after, before, "overlapped_tp_steps") >= steps - 2 * 2
 
 
 def test_a_users_normal_loop_is_kept_and_groups_run_in_it(normal_loop_server, demo_model_dir):
@@ -45,7 +56,8 @@ def test_a_users_normal_loop_is_kept_and_groups_run_in_it(normal_loop_server, de
     tp = greedy(normal_loop_server, ids, SHORT, TP2)
     assert dp["meta_info"]["flying"]["mode"] == "dp" and tp["meta_info"]["flying"]["mode"] == "tp"
     assert dp["output_ids"] == want and tp["output_ids"] == want
-    settled(normal_loop_server, before)
+    after = settled(normal_loop_server, before)
+    assert delta(after, before, "tp_steps") > 0 and delta(after, before, "overlapped_tp_steps") == 0
 
 
 def test_requests_move_both_ways_in_the_normal_loop(normal_loop_server, demo_model_dir):
