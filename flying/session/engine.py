@@ -169,8 +169,7 @@ class FlyingEngine(Lifecycle, Drain):
         returns the input SGLang should process, binds taken out."""
         s = self.session
         if s is not None and s.scope.entered:
-            # The group step's result: kept for the loop when the next step is a group
-            # step again (``overlap``), else processed now, in its TP state.
+            # kept for the loop if the next step is a group step (``overlap``), else now
             if s.failure is None and overlap.keeps(s.shared) and self.result.keep(scheduler):
                 self.counters.overlapped_tp_steps += 1
             else:
@@ -236,8 +235,7 @@ class FlyingEngine(Lifecycle, Drain):
             s.dp_held = s.dp_held and s.dp_work
             if not s.scope.entered:  # DP state (not the boundary that just bound it)
                 s.dp_arrived = s.dp_work and (s.dp_arrived or bool(scheduler.waiting_queue))
-            # With a group step's result kept, every member runs the group step: this
-            # member's DP work goes after it, once the exchange has announced it.
+            # a kept result: DP work goes after the group step that announces it
             if s.dp_turn and s.dp_work and not self.result.kept:
                 s.dp_turn = False
                 plan = self._dp_step(scheduler, s, original)
