@@ -32,9 +32,15 @@ def test_anything_that_needs_the_requests_up_to_date_processes_it(field, value):
     assert not overlap.keeps(dataclasses.replace(_running(), **{field: value}))
 
 
+def _batch(i: int, last: bool = False):
+    reqs = [SimpleNamespace(next_output_finishes_by_length=lambda: False),
+            SimpleNamespace(next_output_finishes_by_length=lambda: last)]
+    return SimpleNamespace(name=f"batch{i}", reqs=reqs)
+
+
 class _Scheduler:
-    def __init__(self, queued: int):
-        self.result_queue = deque((f"batch{i}", f"result{i}") for i in range(queued))
+    def __init__(self, queued: int, last: bool = False):
+        self.result_queue = deque((_batch(i, last), f"result{i}") for i in range(queued))
         self.last_batch = "last"
         self.processed: list = []
 
@@ -49,7 +55,8 @@ def test_a_kept_result_is_left_for_the_loop_and_a_processed_one_is_not_popped_tw
     assert not result.kept and sched.last_batch == "last" and len(sched.result_queue) == 1
 
     result.process(sched)
-    assert sched.processed == [("batch0", "result0")] and not sched.result_queue
+    assert [(b.name, r) for b, r in sched.processed] == [("batch0", "result0")]
+    assert not sched.result_queue
     result.formed(sched)
     assert sched.last_batch is None  # the loop finds no last batch to pop
 
@@ -60,3 +67,9 @@ def test_nothing_queued_nothing_kept_and_the_normal_loop_has_no_queue():
     assert not result.keep(SimpleNamespace())  # --disable-overlap-schedule
     result.process(SimpleNamespace())
     assert not result.processed
+
+
+def test_a_result_with_a_requests_last_token_is_not_kept():
+    """Its last token goes out now, not behind the next step (a prefill, maybe)."""
+    result = overlap.PendingResult()
+    assert not result.keep(_Scheduler(1, last=True)) and not result.kept
