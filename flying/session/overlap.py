@@ -25,7 +25,8 @@ prefill runs), not by the prefill plus a decode step: the tail SGLang's own
 a 128-token prompt arriving: the longest gap 190 ms in a group against 157 ms in
 SGLang's TP-2, before this. The result is kept only where every member keeps it, from
 what the last exchange told all of them alike (``keeps``): no member with DP work, no
-abort, move, park or upgrade to apply, the session not ending. A member whose DP work
+abort, move, park or upgrade to apply, the session not ending; nor where the step holds
+a request's last token (``PendingResult.keep``). A member whose DP work
 arrived after that exchange runs its DP step one group step later, after the exchange
 has announced it, so that no member processes early while another keeps it: a result
 processed before the next batch forms filters its finished requests out of it, and the
