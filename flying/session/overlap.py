@@ -68,11 +68,6 @@ class PendingResult:
         #: a group step's result left for the loop, after the next group step
         self.kept = False
 
-    @staticmethod
-    def waiting(scheduler) -> bool:
-        """A result is queued (the overlap loop's only)."""
-        return bool(getattr(scheduler, "result_queue", None))
-
     def keep(self, scheduler) -> bool:
         """Leave the queued group step's result for the loop; False if none is queued, or
         if it holds a request's last token (by length: the same on every member). That
