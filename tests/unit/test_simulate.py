@@ -30,11 +30,13 @@ def run(trace, profile, engines, policy, **flying):
                     name=policy)
 
 
-def flat(dp_ms: float, tp_ms: float, kv: int = 200_000, context: int = 0) -> Profile:
-    """Two engines whose decode step costs the same at every batch size."""
+def flat(dp_ms: float, tp_ms: float, kv: int = 200_000, context: int = 0,
+         prefill_ms: float = 1.0) -> Profile:
+    """Two engines whose decode step costs the same at every batch size (and a prefill
+    ``prefill_ms`` at every length)."""
     costs = Costs({1: dp_ms, 2: tp_ms}, {
-        1: Curve.of([(1, dp_ms), (512, dp_ms)], [(16, 1.0), (8192, 1.0)]),
-        2: Curve.of([(1, tp_ms), (512, tp_ms)], [(16, 1.0), (8192, 1.0)]),
+        1: Curve.of([(1, dp_ms), (512, dp_ms)], [(16, prefill_ms), (8192, prefill_ms)]),
+        2: Curve.of([(1, tp_ms), (512, tp_ms)], [(16, prefill_ms), (8192, prefill_ms)]),
     })
     return Profile("flat", costs, SwitchCosts(2.0, 1.0), kv_tokens=kv, degrees=(2,),
                    max_engines=2, context_len=context)
@@ -77,13 +79,40 @@ def test_the_overlap_loop_delays_each_token_one_step_not_the_time_between_them()
     assert front.tpot_s == pytest.approx(alone.tpot_s)
 
 
+def test_a_groups_tokens_wait_for_its_next_step_but_a_last_token_goes_out_at_once():
+    """A node's group (``group_loop="flying"``) holds a step's tokens to the next group
+    step's end, as SGLang's overlap loop holds a DP step's, except a step holding a
+    request's last token, sent when it ends; SGLang's own TP (``"sglang"``) holds that
+    one too, here behind the next request's prefill; a node before session 50
+    (``"normal"``) sent each step's tokens when it ended. Request 1 arrives while
+    request 0 (4 tokens) decodes, so that its prefill runs right after request 0's last
+    step."""
+    tp_ms, prefill_ms = 8.0, 40.0
+    profile = flat(5.0, tp_ms, prefill_ms=prefill_ms)
+    trace = [TraceRequest(0, 0.0, 100, 4), TraceRequest(1, 0.052, 100, 4)]
+    cfg = policy_settings("static-tp", FlyingConfig())
+    got = {loop: simulate(trace, profile, 2, cfg, group_loop=loop).records
+           for loop in ("normal", "flying", "sglang")}
+    normal, flying, sglang = got["normal"], got["flying"], got["sglang"]
+    assert all(r.flying["mode"] == "tp" for recs in got.values() for r in recs)
+    # a first token waits for the next group step
+    assert flying[0].ttft_s - normal[0].ttft_s == pytest.approx(tp_ms / 1000)
+    assert flying[1].ttft_s - normal[1].ttft_s == pytest.approx(tp_ms / 1000)
+    # request 0's last token: at its step's end in a node's group, behind the prefill in SGLang's
+    assert flying[0].e2e_s == pytest.approx(normal[0].e2e_s)
+    assert sglang[0].e2e_s - flying[0].e2e_s == pytest.approx(prefill_ms / 1000)
+    assert flying[0].itl_s[-1] == 0.0  # it went out with the token held before it
+
+
 def test_a_grouped_request_pays_the_bind_then_the_groups_steps():
     profile = load("cpu-demo")
     costs, bind = profile.costs, profile.switch.bind_ms
     rec = run([TraceRequest(0, 1.0, 100, 20)], profile, 2, "static-tp").records[0]
     assert rec.flying["mode"] == "tp" and rec.flying["ranks"] == [0, 1]
-    assert rec.ttft_s * 1000 == pytest.approx(bind + costs.prefill(2, 100))
-    assert rec.tpot_s * 1000 == pytest.approx(costs.decode(2, 1))
+    # the first token waits for the next group step (the overlap loop)
+    assert rec.ttft_s * 1000 == pytest.approx(bind + costs.prefill(2, 100) + costs.decode(2, 1))
+    # one group step per token; the last goes out at once, with the one held before it
+    assert rec.itl_s == pytest.approx([costs.decode(2, 1) / 1000] * 18 + [0.0])
 
 
 def test_a_prompt_longer_than_the_chunk_is_prefilled_in_chunks():
@@ -215,7 +244,8 @@ def test_a_member_with_dp_work_runs_one_dp_step_between_two_group_steps():
     gaps = [round(g * 1000, 6) for g in group.itl_s]
     assert gaps[0] == pytest.approx(alone)
     assert shared in [pytest.approx(g) for g in gaps]  # while the DP request runs
-    assert gaps[-1] == pytest.approx(alone)  # after it finished
+    assert gaps[-2] == pytest.approx(alone)  # after it finished
+    assert gaps[-1] == 0.0  # its last token goes out at once, with the one held before it
     assert all(g * 1000 == pytest.approx(shared) for g in dp.itl_s)
 
 
@@ -244,7 +274,9 @@ def test_a_members_running_dp_request_joins_and_only_an_arrival_moves_the_sessio
     assert group.flying["mode"] == "tp" and "moved" not in group.flying
     assert beside.counters["moves"] == 0 and beside.counters["joins"] == 1
     c = flat(10.0, 4.0).costs
-    assert all(g * 1000 == pytest.approx(c.decode(2, 2)) for g in group.itl_s)  # no DP step between
+    # no DP step between (the last token goes out with the one held before it)
+    assert all(g * 1000 == pytest.approx(c.decode(2, 2)) for g in group.itl_s[:-1])
+    assert group.itl_s[-1] == 0.0
     arrived = _beside_running_dp(0.6)
     group, new = arrived.records[2], arrived.records[3]
     assert arrived.counters["moves"] == 1 and arrived.counters["joins"] == 1

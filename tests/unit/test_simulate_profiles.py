@@ -24,7 +24,7 @@ from workloads.sim.profile import (
     load,
 )
 from workloads.sim.run import policy_settings, simulate
-from workloads.sim.validate import validate
+from workloads.sim.validate import system_loop, validate
 
 pytestmark = pytest.mark.unit
 
@@ -115,7 +115,7 @@ def _compare_dir(tmp_path, profile):
     out = {}
     for system, (name, cfg) in runs.items():
         res = simulate(trace, profile, 2, policy_settings(name, cfg),
-                       tp_overlap=system == "static-tp")  # SGLang's TP: the overlap loop
+                       group_loop=system_loop(system, "flying"))  # as validate runs them
         (tmp_path / system).mkdir()
         save_records(res.records, tmp_path / system / "records.jsonl")
         out[system] = res
@@ -222,3 +222,19 @@ def test_validate_takes_the_curves_the_engines_published_at_the_runs_end(tmp_pat
     report = validate(tmp_path, frontend_ms=0.0)
     assert "curves from the run's end" in report.splitlines()[0]
     assert tpot_error(report) > 50.0, report
+
+
+def test_validate_runs_each_systems_groups_as_its_server_ran_them(tmp_path):
+    """SGLang's own TP holds every step's tokens; a Flying run's groups as a node's
+    (``"flying"``), but as before session 50 (``"normal"``) where its status document
+    has no ``overlapped_tp_steps``."""
+    from workloads.sim.validate import group_loop_of
+    assert group_loop_of(tmp_path) == "flying"  # nothing saved: today's node
+    (tmp_path / "flying").mkdir()
+    status = tmp_path / "flying" / "status.json"
+    status.write_text(json.dumps({"engines": [], "totals": {"binds": 3, "tp_steps": 40}}))
+    assert group_loop_of(tmp_path) == "normal"
+    status.write_text(json.dumps({"engines": [], "totals": {"binds": 3, "overlapped_tp_steps": 0}}))
+    assert group_loop_of(tmp_path) == "flying"
+    assert system_loop("static-tp", "normal") == "sglang"
+    assert system_loop("flying", "normal") == "normal" and system_loop("static-dp", "flying") == "flying"

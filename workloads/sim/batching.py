@@ -109,14 +109,7 @@ class Batcher:
         return len(self.running) + pre, len(self.waiting)
 
     def remove(self, req: SimRequest) -> None:
-        """Take ``req`` out wherever it is (an abort, a move); its Under SGLang's overlap loop (``Scheduler.event_loop_overlap``) a step's result is
-processed after the next step has been launched; where the forward runs inside the
-launch (a CPU engine) the step's tokens reach the client when that next step ends, or
-at once where no step follows (SGLang leaves a request whose last token is in flight
-out of the next batch: ``_reqs_finishing_inflight``). ``complete(..., defer=True)``
-holds a step's tokens back and ``reveal`` stamps them with the time they are processed.
-
-KV is the caller's."""
+        """Take ``req`` out wherever it is (an abort, a move); its KV is the caller's."""
         if self.chunk is req:
             self.chunk = None
         if req in self.prefilling:

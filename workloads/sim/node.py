@@ -29,9 +29,14 @@ What the real node does with a decision, as ``flying.session`` does it:
 
 SGLang's overlap loop (``Profile.overlap``): a DP step outside sessions hands its
 tokens to the client when the engine's next step ends (``Batcher.reveal``); at a
-boundary in a session or with a bind pending the engine processes the result at once
-(``flying.session.overlap``), and a group's steps run as in the normal loop, except
-with ``tp_overlap`` (SGLang's own ``--tp-size``, which ``validate`` simulates as a group).
+boundary in a session or with a bind pending the engine processes the result at once.
+A group's steps run under ``group_loop``: ``"flying"`` (a node since session 50,
+``flying.session.overlap``): a group step's tokens wait for the next group step's end
+unless the step holds a request's last token or a member has DP work (or it arrived
+in the last exchange; upgrades are not offered in sessions here); a member whose DP work arrived while a
+result is kept runs its DP step one group step later; ``"normal"`` (a node before it):
+each group step's tokens out when it ends; ``"sglang"`` (SGLang's own ``--tp-size``,
+which ``validate`` simulates as a group): every step's tokens wait for the next step.
 
 Invariants (``check``, asserted by the deadlock test): an engine is in at most one
 session, a session's members are an aligned group and all point to it, KV counts never
@@ -43,12 +48,16 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 from scheduler.layout_choice import SwitchCosts
 from workloads.sim import relayout
 from workloads.sim.batching import Batcher, SimRequest, Step
 from workloads.sim.loop import Loop, assert_no_wait_cycle
 from workloads.sim.profile import Profile
+
+#: How a group's steps meet SGLang's overlap loop (module docstring).
+GroupLoop = Literal["normal", "flying", "sglang"]
 
 
 @dataclass(eq=False)
@@ -130,9 +139,9 @@ class SimNode:
     def __init__(self, engines: int, profile: Profile, loop: Loop, move_to_dp: str = "policy",
                  bind_timeout_s: float = 30.0, on_done: Callable[[SimRequest], None] = lambda r: None,
                  on_layout: Callable[[float, list[int]], None] = lambda t, d: None,
-                 log: Callable[[dict], None] | None = None, tp_overlap: bool = False):
+                 log: Callable[[dict], None] | None = None, group_loop: GroupLoop = "flying"):
         self.profile = profile
-        self.tp_overlap = tp_overlap and profile.overlap
+        self.group_loop: GroupLoop = group_loop if profile.overlap else "normal"
         self.engines = [Engine(r, profile) for r in range(engines)]
         self.loop = loop
         self.move_to_dp = move_to_dp
@@ -201,8 +210,8 @@ class SimNode:
             # a DP request waiting here arrived during the session
             e.dp_arrived = e.dp.has_work() and (e.dp_arrived or bool(e.dp.waiting))
             if e.dp_turn:
-                e.dp_turn = False
-                if e.dp.has_work() and self._dp_step(e):
+                e.dp_turn = False  # not while a group result is kept: after the next step
+                if e.dp.has_work() and not s.server.unseen and self._dp_step(e):
                     return
             e.state = "wait"
             self._group_boundary(s)
@@ -319,6 +328,7 @@ class SimNode:
                 s.offered = relayout.offers(s)
             if step is not None:
                 break
+            s.server.reveal(self.loop.now)  # nothing formed: a kept result goes out first
             if not (s.offered and again):
                 self.release(s, 0.0)
                 return
@@ -335,12 +345,24 @@ class SimNode:
 
     def _group_done(self, s: Session, step: Step) -> None:
         s.server.complete(step, self.loop.now, lambda r: self._done_tp(s, r),
-                          defer=self.tp_overlap)
+                          defer=self._keeps(s, step))
         for m in s.members:
             m.state, m.dp_turn = "free", True
         for m in s.members:
             if m.state == "free":
                 self.boundary(m)
+
+    def _keeps(self, s: Session, step: Step) -> bool:
+        """Whether ``step``'s tokens wait for the next step (``group_loop``; for
+        ``"flying"``, ``overlap.keeps`` and ``PendingResult.keep``)."""
+        if self.group_loop != "flying":
+            return self.group_loop == "sglang"
+        if s.arrived or any(m.dp.has_work() for m in s.members):
+            return False
+        if step.kind == "decode":
+            return not any(r.out + 1 >= r.max_new for r in step.reqs if not r.done)
+        return not any(r.prefilled + k >= r.prompt and r.max_new <= 1
+                       for r, k in zip(step.reqs, step.tokens, strict=True) if not r.done)
 
     def _done_tp(self, s: Session, req: SimRequest) -> None:
         s.used -= req.slots

@@ -13,8 +13,11 @@ From those this module reads the steps the server actually ran:
   their first and last token at the gap's midpoint. A gap in which one of the unit's
   requests had its first token, or has it at the end of the next gap (SGLang's overlap
   loop hands a step's tokens out when the next step ends), held a prefill step as well
-  and is left out. Per (degree, batch) the mean of the gaps left (TPOT is a mean of
-  gaps, stalls included), where there are at least ``MIN_GAPS``.
+  and is left out. So is a request's last gap: under the overlap loop its last token
+  goes out with the one before it where no step follows (and at once from a node's
+  group, ``flying.session.overlap``), else when the next step ends, so the gap is 0
+  or a step, whatever the batch. Per (degree, batch) the mean of the gaps left (TPOT
+  is a mean of gaps, stalls included), where there are at least ``MIN_GAPS``.
 - **prefill**: a request that arrived at an idle unit (none of its requests running
   or waiting) took ``ttft - frontend - one decode step at batch 1`` under the overlap
   loop (the first token reaches the client when the step after the prefill ends;
@@ -63,7 +66,8 @@ class Timeline:
     began: when it was sent; its first token, then one per gap), ``unit`` (the ranks
     that served it) and ``degree``; ``sglang_tp``: served by SGLang's own TP (the
     record says nothing of Flying), whose steps run under the overlap loop as DP's do
-    (Flying's groups run the normal loop)."""
+    (Flying's groups too, but for a node before session 50: ``SimNode``'s
+    ``group_loop``)."""
 
     record: RequestRecord
     sent: float
@@ -72,9 +76,9 @@ class Timeline:
     times: tuple[float, ...]
     sglang_tp: bool = False
 
-    def overlapped(self, overlap: bool) -> bool:
+    def overlapped(self, overlap: bool, group_loop: str = "flying") -> bool:
         """Whether its steps ran under the overlap loop on a server that runs it."""
-        return overlap and (self.degree == 1 or self.sglang_tp)
+        return overlap and (self.degree == 1 or self.sglang_tp or group_loop != "normal")
 
     @property
     def first(self) -> float:
@@ -120,7 +124,9 @@ def decode_points(lines: Sequence[Timeline]) -> dict[int, list[tuple[float, floa
         firsts = sorted(line.first for line in unit_lines)
         for line in unit_lines:
             for a, b, c in zip(line.times, line.times[1:], line.times[2:] + (None,), strict=False):
-                end = c if c is not None else b + (b - a)
+                if c is None:
+                    break  # the last gap: no step's length (module docstring)
+                end = c
                 if any(a < f <= end for f in firsts):
                     continue  # a prefill ran in this gap or its result was handed out at its end
                 mid = (a + b) / 2
@@ -134,7 +140,8 @@ def decode_points(lines: Sequence[Timeline]) -> dict[int, list[tuple[float, floa
 
 
 def prefill_samples(lines: Sequence[Timeline], decode: dict[int, list[tuple[float, float]]],
-                    frontend_ms: float, overlap: bool) -> dict[int, list[tuple[float, float]]]:
+                    frontend_ms: float, overlap: bool,
+                    group_loop: str = "flying") -> dict[int, list[tuple[float, float]]]:
     """Per degree: (prompt tokens, ms of its prefill) of each request that found its
     unit idle (see the module docstring)."""
     samples: dict[int, list[tuple[float, float]]] = defaultdict(list)
@@ -142,7 +149,7 @@ def prefill_samples(lines: Sequence[Timeline], decode: dict[int, list[tuple[floa
         for line in unit_lines:
             if any(q is not line and q.sent <= line.sent <= q.last for q in unit_lines):
                 continue  # the unit was busy when it arrived
-            one = dict(decode.get(line.degree, ())).get(1.0, 0.0) if line.overlapped(overlap) else 0.0
+            one = dict(decode.get(line.degree, ())).get(1.0, 0.0) if line.overlapped(overlap, group_loop) else 0.0
             ms = line.record.ttft_s * 1e3 - frontend_ms - one
             if ms > 0:
                 samples[line.degree].append((float(line.record.prompt_len), ms))
@@ -150,14 +157,16 @@ def prefill_samples(lines: Sequence[Timeline], decode: dict[int, list[tuple[floa
 
 
 def costs_from_records(records: Sequence[RequestRecord], engines: int, base: Costs,
-                       frontend_ms: float, overlap: bool = True) -> tuple[Costs, str]:
+                       frontend_ms: float, overlap: bool = True,
+                       group_loop: str = "flying") -> tuple[Costs, str]:
     """``base`` with every degree the records measured replaced by what they show, the
     others scaled (module docstring); and a line saying what was measured, for the
     report's header. ``overlap``: the server ran SGLang's overlap loop (its DP engines
-    and its own ``--tp-size`` step under it, Flying's groups do not: ``Timeline``)."""
+    and its own ``--tp-size`` step under it, Flying's groups as ``group_loop`` says:
+    ``Timeline``)."""
     lines = timelines(records, engines)
     decode = decode_points(lines)
-    prefills = prefill_samples(lines, decode, frontend_ms, overlap)
+    prefills = prefill_samples(lines, decode, frontend_ms, overlap, group_loop)
     ratios = {d: _median(ms / ref for b, ms in points if (ref := base.decode(d, b)))
               for d, points in decode.items()}
     extra = {d: _median((ms - ref for t, ms in points if (ref := base.prefill(d, t))), 0.0)
@@ -169,7 +178,7 @@ def costs_from_records(records: Sequence[RequestRecord], engines: int, base: Cos
         k, own = ratios.get(degree, general), decode.get(degree)
         if degree in extra:  # a fixed cost per prefill step beyond the profile's
             prefill = tuple((t, max(1.0, ms + extra[degree])) for t, ms in old.prefill)
-            said_prefill = f"prefill {extra[degree]:+.0f} ms ({len(prefills[degree])} idle prefills)"
+            said_prefill = f"prefill {round(extra[degree]):+d} ms ({len(prefills[degree])} idle prefills)"
         else:
             prefill, said_prefill = _times(old.prefill, k), f"prefill x{k:.2f}"
         curves[degree] = Curve(Curve.of(own).decode if own else _times(old.decode, k), prefill)

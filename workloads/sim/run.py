@@ -29,7 +29,7 @@ from workloads.measure.records import RequestRecord
 from workloads.sim.batching import SimRequest
 from workloads.sim.control import Controller
 from workloads.sim.loop import Loop
-from workloads.sim.node import SimNode
+from workloads.sim.node import GroupLoop, SimNode
 from workloads.sim.profile import Profile
 
 _STATIC_TP = re.compile(r"static-tp(\d+)")
@@ -76,13 +76,14 @@ def simulate(
     trace: Sequence[TraceRequest], profile: Profile, engines: int, cfg: FlyingConfig,
     name: str = "", log: bool = True, events: Iterable[Event] = (),
     explicit: dict[int, int] | None = None,
-    after_event: Callable[[SimNode], None] | None = None, tp_overlap: bool = False,
+    after_event: Callable[[SimNode], None] | None = None, group_loop: GroupLoop = "flying",
 ) -> SimResult:
     """Run ``trace`` on a node of ``engines`` under ``cfg``; ``explicit`` gives trace
     indices an ``X-Flying-TP`` degree; ``after_event`` is called after every event
-    (the invariant checks of the tests); ``tp_overlap``: group steps run under the
-    overlap loop (SGLang's own TP, not Flying's groups). Every TTFT and E2E gets the
-    profile's ``frontend_ms``."""
+    (the invariant checks of the tests); ``group_loop``: how group steps meet the
+    overlap loop (``SimNode``: "flying", a node's groups; "normal", a node's before
+    session 50; "sglang", SGLang's own TP). Every TTFT and E2E gets the profile's
+    ``frontend_ms``."""
     if cfg.preempt != "hard":
         raise ValueError("only --flying-preempt hard is simulated")
     started = time.perf_counter()
@@ -93,7 +94,7 @@ def simulate(
     node = SimNode(engines, profile, loop, cfg.move_to_dp, cfg.bind_timeout_s,
                    on_layout=lambda t, d: layout.append((t, d)),
                    log=(lambda doc: lines.append(json.dumps(doc))) if log else None,
-                   tp_overlap=tp_overlap)
+                   group_loop=group_loop)
     control = Controller(node, profile, cfg, degrees, lines.append if log else None)
     reqs = [_request(r, (explicit or {}).get(r.index, 0)) for r in trace]
     for req in reqs:

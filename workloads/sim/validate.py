@@ -13,10 +13,11 @@ SLOs (from static TP's quiet service in the run, ``scoring_slos``).
 
 Systems: ``static-dp`` (SGLang's DP, groups off) is simulated as ``static-dp`` without
 TP degrees; ``static-tp`` (SGLang's own ``--tp-size N``) as one Flying group of N
-(``static-tpN``: Flying's measured group costs stand for SGLang's TP; its steps
-under the overlap loop, as SGLang's are); ``flying`` as
+(``static-tpN``: Flying's measured group costs stand for SGLang's TP; every step's
+tokens held to the next step's end, as SGLang's overlap loop holds them); ``flying`` as
 the policy named in the decision log's head line (adaptive by default), with its
-settings. The engines run SGLang's overlap loop (a step's tokens reach the client when
+settings, its groups' steps overlapped as a node overlaps them (``group_loop_of``: as
+before session 50 for a run whose status document predates it). The engines run SGLang's overlap loop (a step's tokens reach the client when
 the next step ends, ``--no-overlap`` for a run under ``--disable-overlap-schedule``),
 and every TTFT and E2E gets ``--frontend-ms`` (default ``CPU_FRONTEND_MS``, this CPU
 machine's measured frontend: not fitted to the runs). The error says how far the simulator's assumptions (docs/SIMULATOR.md) are
@@ -46,6 +47,7 @@ from workloads.load.trace import TraceRequest
 from workloads.measure.metrics import Summary, flatten, summarize
 from workloads.measure.records import RequestRecord, load_records
 from workloads.reports.targets import quiet_slos
+from workloads.sim.node import GroupLoop
 from workloads.sim.profile import CPU_FRONTEND_MS, Profile, from_decision_log, from_status
 from workloads.sim.record_costs import costs_from_records
 from workloads.sim.run import policy_settings, simulate
@@ -91,6 +93,23 @@ def measured_profile(run_dir: Path, decision_log: str | None, kv_heads: int,
         return from_status(status, kv_heads=kv_heads)
     raise SystemExit(f"error: no decision log ({log}) and no {status}: nothing measured to "
                      "build the profile from")
+
+
+def group_loop_of(run_dir: Path) -> GroupLoop:
+    """How the Flying run's groups met the overlap loop: ``"normal"`` where its saved
+    status document predates the ``overlapped_tp_steps`` counter (a node before session
+    50 processed each group step's result at once), else ``"flying"`` (``SimNode``)."""
+    status = run_dir / "flying" / "status.json"
+    if status.is_file():
+        totals = json.loads(status.read_text()).get("totals")
+        if isinstance(totals, dict) and "overlapped_tp_steps" not in totals:
+            return "normal"
+    return "flying"
+
+
+def system_loop(system: str, flying_loop: GroupLoop) -> GroupLoop:
+    """The group loop a measured system's groups ran: SGLang's own TP always overlaps."""
+    return "sglang" if system == "static-tp" else flying_loop
 
 
 def logged_stretch(log: Path) -> dict[int, float]:
@@ -200,8 +219,10 @@ def compare_run(run_dir: Path, decision_log: str | None = None, kv_heads: int = 
         scaled = "; stretch as logged " + ", ".join(
             f"TP-{d}: {costs.factor(d):g}" if d > 1 else f"DP: {costs.factor(d):g}"
             for d in sorted(set(profile.costs.decode_ms) | set(factors)))
+    flying_loop = group_loop_of(run_dir)
     header = (f"SIMULATED vs MEASURED: {run_dir} ({engines} engines; profile: {profile.source}; "
-              f"overlap loop {'on' if overlap else 'off'}; frontend {frontend_ms:g} ms; "
+              f"overlap loop {'on' if overlap else 'off'}"
+              f"{f' (Flying groups: {flying_loop})' if overlap else ''}; frontend {frontend_ms:g} ms; "
               f"goodput SLOs {slos}{scaled})")
     notes: list[str] = []
     rows: list[Row] = []
@@ -212,13 +233,14 @@ def compare_run(run_dir: Path, decision_log: str | None = None, kv_heads: int = 
         records = load_records(records_file)
         name, cfg = settings(system, engines, head)
         own = profile
+        loop = system_loop(system, flying_loop)
         if steps == "records":  # this server's own steps, from its client's token times
             costs, said = costs_from_records(records, engines, profile.costs, frontend_ms,
-                                             overlap)
+                                             overlap, loop)
             own = replace(profile, costs=costs)
             notes.append(f"{system}'s steps from its records: {said}")
         result = simulate(trace_of(records), own, engines, policy_settings(name, cfg),
-                          name=name, log=False, tp_overlap=system == "static-tp")
+                          name=name, log=False, group_loop=loop)
         for label, sim, meas, err in errors(summarize(result.records, slos=slos),
                                             summarize(records, slos=slos)):
             rows.append((system, name, label, sim, meas, err))
