@@ -219,6 +219,7 @@ class FlyingEngine(Lifecycle, Drain):
 
     def _next_batch(self, scheduler, original):
         s = self.session
+        dp_work = False  # at a bind's boundary, the DP state's (the bind enters the TP state)
         if s is None and self.pending:
             was_draining = self.draining
             if self.draining_blocks(scheduler):  # soft preemption: drain first
@@ -229,9 +230,12 @@ class FlyingEngine(Lifecycle, Drain):
                 plan = _form(scheduler, original)
                 self.publish(scheduler, plan=plan)
                 return plan
+            dp_work = _has_dp_work(scheduler)
             s = self._bind(scheduler, self.pending.popleft())
         if s is not None:
-            s.dp_work = _has_dp_work(scheduler)
+            # entered: the boundary that just bound it, whose queues are the session's now
+            # (its request handed in); read as DP work, it kept no first step's result
+            s.dp_work = dp_work if s.scope.entered else _has_dp_work(scheduler)
             s.dp_held = s.dp_held and s.dp_work
             if not s.scope.entered:  # DP state (not the boundary that just bound it)
                 s.dp_arrived = s.dp_work and (s.dp_arrived or bool(scheduler.waiting_queue))

@@ -24,8 +24,16 @@ def test_a_plain_boundary_keeps_the_result_and_admission_does_too():
     assert overlap.keeps(dataclasses.replace(_running(), offers=[17]))
 
 
+def test_a_prefill_with_nothing_else_running_keeps_its_result_as_sglangs_tp_does():
+    """The exchange of a prefill step with nothing else running reads "done" (its request
+    joins the running batch at the next formation): its first token waits for the next
+    step, as in SGLang's own TP, not sent a step early with a two-step gap after it."""
+    prefill = dataclasses.replace(_running(), busy=0)
+    assert prefill.done and overlap.keeps(prefill)
+
+
 @pytest.mark.parametrize("field, value", [
-    ("busy", 0), ("aborts", [5]), ("dp_waiting", 1), ("dp_held", 1), ("dp_arrived", 1),
+    ("aborts", [5]), ("dp_waiting", 1), ("dp_held", 1), ("dp_arrived", 1),
     ("parking", 2), ("offers", [UPGRADE_OFFER + 3]),
 ])
 def test_anything_that_needs_the_requests_up_to_date_processes_it(field, value):
