@@ -33,10 +33,11 @@ boundary in a session or with a bind pending the engine processes the result at 
 A group's steps run under ``group_loop``: ``"flying"`` (a node since session 50,
 ``flying.session.overlap``): a group step's tokens wait for the next group step's end
 unless the step holds a request's last token or a member has DP work (or it arrived
-in the last exchange; upgrades are not offered in sessions here); a member whose DP work arrived while a
-result is kept runs its DP step one group step later; ``"normal"`` (a node before it):
-each group step's tokens out when it ends; ``"sglang"`` (SGLang's own ``--tp-size``,
-which ``validate`` simulates as a group): every step's tokens wait for the next step.
+in the last exchange; upgrades are not offered in sessions here); a member whose DP
+work arrived while a result is kept runs its DP step one group step later;
+``"normal"`` (a node before it): each group step's tokens out when it ends;
+``"sglang"`` (SGLang's own ``--tp-size``, which ``validate`` simulates as a group):
+every step's tokens wait for the next step.
 
 Invariants (``check``, asserted by the deadlock test): an engine is in at most one
 session, a session's members are an aligned group and all point to it, KV counts never

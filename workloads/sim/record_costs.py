@@ -53,6 +53,7 @@ from dataclasses import dataclass
 
 from scheduler.costs import Costs, Curve
 from workloads.measure.records import RequestRecord
+from workloads.sim.node import GroupLoop
 
 #: Gaps a (degree, batch) point needs to be kept: fewer are one stall or one burst.
 MIN_GAPS = 5
@@ -76,7 +77,7 @@ class Timeline:
     times: tuple[float, ...]
     sglang_tp: bool = False
 
-    def overlapped(self, overlap: bool, group_loop: str = "flying") -> bool:
+    def overlapped(self, overlap: bool, group_loop: GroupLoop = "flying") -> bool:
         """Whether its steps ran under the overlap loop on a server that runs it."""
         return overlap and (self.degree == 1 or self.sglang_tp or group_loop != "normal")
 
@@ -141,7 +142,7 @@ def decode_points(lines: Sequence[Timeline]) -> dict[int, list[tuple[float, floa
 
 def prefill_samples(lines: Sequence[Timeline], decode: dict[int, list[tuple[float, float]]],
                     frontend_ms: float, overlap: bool,
-                    group_loop: str = "flying") -> dict[int, list[tuple[float, float]]]:
+                    group_loop: GroupLoop = "flying") -> dict[int, list[tuple[float, float]]]:
     """Per degree: (prompt tokens, ms of its prefill) of each request that found its
     unit idle (see the module docstring)."""
     samples: dict[int, list[tuple[float, float]]] = defaultdict(list)
@@ -158,7 +159,7 @@ def prefill_samples(lines: Sequence[Timeline], decode: dict[int, list[tuple[floa
 
 def costs_from_records(records: Sequence[RequestRecord], engines: int, base: Costs,
                        frontend_ms: float, overlap: bool = True,
-                       group_loop: str = "flying") -> tuple[Costs, str]:
+                       group_loop: GroupLoop = "flying") -> tuple[Costs, str]:
     """``base`` with every degree the records measured replaced by what they show, the
     others scaled (module docstring); and a line saying what was measured, for the
     report's header. ``overlap``: the server ran SGLang's overlap loop (its DP engines
