@@ -1,8 +1,10 @@
 """The per-step exchange of a group session: one small collective per step.
 
 Every step each member contributes the signature of the batch it formed; the leader's
-values reach everyone, with the leader's offers and abort announcements, and the count
-of members that have DP work waiting (a sum). Layout of the shared ints (fixed width, so
+values reach everyone, with the leader's pending offers and abort announcements, and the
+count of members that have DP work waiting (a sum). Before the batch is formed, a
+second, smaller collective (``offer``) shares the binds the leader admits at this
+boundary. Layout of the shared ints (fixed width, so
 every member issues the identical collective)::
 
     [signature: SIG][n_offers, offers: MAX_OFFERS][n_aborts, aborts: MAX_ABORTS]
@@ -31,7 +33,9 @@ class LockstepError(RuntimeError):
 
 @dataclass(frozen=True)
 class Shared:
-    offers: list[int]  # bind keys the leader offers for admission at the next boundary
+    #: bind keys pending on the leader after the batch was formed: the session does not
+    #: end with them (they are offered again, and admitted, at the next boundary: ``offer``)
+    offers: list[int]
     aborts: list[int]  # rid keys the leader announces as aborted
     dp_waiting: int  # members with DP work waiting for this session to end
     busy: int = 0  # members with session requests still waiting or running
@@ -49,6 +53,14 @@ class Shared:
         """Every member has drained and nothing joins or leaves: the session ends, at
         the same step on every member (a member never decides that on its own)."""
         return not self.busy and not self.offers and not self.aborts
+
+
+def offer(member, offers: list[int]) -> list[int]:
+    """The leader's ``offers`` (bind keys for this session's group, at most
+    ``MAX_OFFERS``) on every member: a boundary's first collective, before its batch is
+    formed, so that every member admits the same binds at this boundary."""
+    shared, _ = member.share_ints(_padded(offers[:MAX_OFFERS], MAX_OFFERS), 1 + MAX_OFFERS)
+    return shared[1 : 1 + shared[0]]
 
 
 def signature(batch) -> list[int]:

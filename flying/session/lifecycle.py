@@ -199,13 +199,6 @@ class Lifecycle(Release):
             self.counters.client_aborts += aborts.apply(
                 scheduler, containment.session_reqs(scheduler), shared.aborts
             )
-        if shared.offers:
-            s.joined += admission.admit(self, scheduler, s.member, s.scope, shared.offers)
-        # The session's only request moves to a larger group (every member has its bind).
-        if shared.parking == len(s.bind.ranks) and regroup.park(self, scheduler, s):
-            self._end(scheduler, s, [])
-            return None
-        regroup.ask(self, scheduler, s)
         # DP requests arrived at a member: a session that may hand its requests to DP
         # moves them now (every member decides alike: shared values, lockstep). Any
         # session (unless moves are off) yields when a member's DP requests need the KV
@@ -214,6 +207,24 @@ class Lifecycle(Release):
         wants_move = (bool(shared.dp_arrived) and self._may_move(s)) or (
             held and self.move_to_dp != "off" and s.tp_steps >= s.move_retry_at
         )
+        # Admission stays open (DP work runs between group steps, so it never waits
+        # for the group); it closes only when a request could not reserve its KV. The
+        # binds pending now are offered and admitted before the batch is formed, so a
+        # request joins at the first boundary after its bind arrived, as SGLang's own
+        # scheduler takes a request at its next step.
+        admitting = s.scope.admitting and not wants_move and not held
+        offers = exchange.offer(
+            s.member, admission.candidates(self.pending, s.bind) if admitting else []
+        )
+        if offers:
+            if offers[0] >= admission.UPGRADE_OFFER and self.result.kept:
+                self.result.process(scheduler)  # an upgrade leaves the TP state: no kept step
+            s.joined += admission.admit(self, scheduler, s.member, s.scope, offers)
+        # The session's only request moves to a larger group (every member has its bind).
+        if shared.parking == len(s.bind.ranks) and regroup.park(self, scheduler, s):
+            self._end(scheduler, s, [])
+            return None
+        regroup.ask(self, scheduler, s)
         if wants_move and move.ready(scheduler):
             moved = move.to_dp(scheduler, s, self.dp_limit, self.faults)
             if moved is not None:
@@ -229,8 +240,8 @@ class Lifecycle(Release):
             self.result.process(scheduler)
         self.publish(scheduler, plan=plan)
         self.faults.check("step")
-        # Admission stays open (DP work runs between group steps, so it never waits
-        # for the group); it closes only when a request could not reserve its KV.
+        # Binds still pending (arrived since the offer above) keep the session from
+        # ending in this exchange; they are offered at the next boundary.
         admitting = s.scope.admitting and not wants_move and not held
         offers = admission.candidates(self.pending, s.bind) if admitting else []
         due = (

@@ -36,6 +36,30 @@ def test_offers_aborts_and_counts_round_trip():
     assert got.dp_waiting == 2 and got.busy == 1 and not got.done
 
 
+def test_a_boundary_offer_is_the_leaders_and_capped():
+    """``offer`` (before the batch is formed): every member gets the leader's binds,
+    at most ``MAX_OFFERS`` of them; a member's own list is ignored."""
+
+    class _Wire:
+        tp_rank = 1
+
+        def share_ints(self, values, n, own=0):
+            assert len(values) == n == 1 + exchange.MAX_OFFERS
+            return [2, 21, 22, *[0] * (n - 3)], own
+
+    assert exchange.offer(_Wire(), [5, 6, 7]) == [21, 22]
+    many = list(range(1, 20))
+
+    class _Echo(_Wire):
+        tp_rank = 0
+
+        def share_ints(self, values, n, own=0):
+            return list(values), own
+
+    assert exchange.offer(_Echo(), many) == many[: exchange.MAX_OFFERS]
+    assert exchange.offer(_Echo(), []) == []
+
+
 def test_each_count_is_its_own_across_members():
     """DP work, busy, held and arrived are four counts summed over the members: a
     member with DP work that arrived during the session is told apart from one whose
