@@ -14,10 +14,10 @@ What the real node does with a decision, as ``flying.session`` does it:
 - a session steps as one server (``batching``) over its members: a group step runs
   when every member is at its boundary; after it, a member with DP work runs one DP
   step (a member without waits in the next group step's collective); same-group binds
-  at the head of the leader's queue are offered in a boundary's exchange and join at
-  the next boundary (as ``Lifecycle._tp_form`` does: one group step later) while every
-  member can reserve their KV (else admission closes for the session); the session
-  ends when it has no request and no offer left;
+  at the head of the leader's queue join at the next boundary, before its batch is
+  formed (as ``Lifecycle._tp_form`` does: ``exchange.offer``), while every member can
+  reserve their KV (else admission closes for the session); the session ends when it
+  has no request and no offer left;
 - moves and joins (``relayout``) under ``--flying-move-to-dp``. A session moves when
   DP requests arrived at a member during it (``GroupSession.dp_arrived``: at one of the
   member's boundaries after the bind, a DP request waiting there, dispatched during the
@@ -110,8 +110,6 @@ class Session:
     retry_at: int = 0
     #: a member's DP arrivals as the last group step's exchange shared them
     arrived: bool = False
-    #: binds the last exchange offered, admitted at the next boundary
-    offered: list = field(default_factory=list)
     extra_ms: float = 0.0  # switch and join costs paid by the next group step
 
     @property
@@ -310,27 +308,25 @@ class SimNode:
             return
         again = True  # a boundary without a batch but with offers forms once more
         while True:
-            # the last exchange's offers first (``Lifecycle._tp_form``: a bind seen at one
-            # boundary is offered in its exchange and admitted at the next)
-            offered, s.offered = s.offered, []
-            if offered:
-                relayout.admit(self, s, offered)
             # DP requests arrived at a member (shared by the last step's exchange): a
             # session that may hand its requests to DP moves them
             wants_move = (s.arrived and relayout.may_move(self.move_to_dp, s.reasons)
                           and s.tp_steps >= s.retry_at)
+            # the binds pending now, offered and admitted before the batch is formed
+            # (``Lifecycle._tp_form``, ``exchange.offer``)
+            if s.admitting and not wants_move:
+                relayout.admit(self, s, relayout.offers(s))
             if wants_move and relayout.ready(s):
                 if relayout.move(self, s):
                     return
                 s.retry_at = s.tp_steps + relayout.RETRY_STEPS
             step = s.server.form(self.loop.now, lambda r: True)  # KV reserved on admission
             s.arrived = any(m.dp_arrived for m in s.members)  # this step's exchange
-            if s.admitting and not wants_move:
-                s.offered = relayout.offers(s)
+            offered = relayout.offers(s) if s.admitting and not wants_move else []
             if step is not None:
                 break
             s.server.reveal(self.loop.now)  # nothing formed: a kept result goes out first
-            if not (s.offered and again):
+            if not (offered and again):
                 self.release(s, 0.0)
                 return
             # no batch but offers: the members form again at once (``_tp_boundary``);

@@ -104,7 +104,7 @@ def _take_upgrade(node: SimNode, s: Session, bind: Bind) -> bool:
 
 def offers(s: Session) -> list:
     """The same-group binds at the head of the leader's queue (``admission.candidates``):
-    what this boundary's exchange offers, admitted at the next boundary."""
+    what a boundary offers before its batch is formed (``exchange.offer``) and admits."""
     out = []
     for b in s.members[0].pending:
         if b.ranks != s.ranks or b.degree != s.bind.degree or b.upgrade is not None:
@@ -116,7 +116,7 @@ def offers(s: Session) -> list:
 
 
 def admit(node: SimNode, s: Session, offered: list) -> None:
-    """Admit the last exchange's ``offered`` binds (``admission.admit``), in order, while
+    """Admit the ``offered`` binds (``admission.admit``), in order, while
     every member can reserve their KV (else admission closes for the session)."""
     for b in offered:
         if b not in s.members[0].pending:
