@@ -15,6 +15,7 @@ import os
 import re
 from dataclasses import asdict, dataclass, field, fields
 
+from scheduler.hold import HOLD_STEPS
 from scheduler.policy import PolicyConfig
 
 #: The policy's own defaults: the flags below take theirs from it (one place).
@@ -66,6 +67,11 @@ class FlyingConfig:
     #: adaptive policy's light-load groups), "all" (any group, explicit and priority
     #: ones too), "off" (a group keeps its requests; DP work runs between group steps).
     move_to_dp: str = "policy"
+    #: The most group steps an arrival for a running group waits while every request
+    #: the group decodes finishes (by length) within them, so that its prefill does not
+    #: pause them near their end (``scheduler.hold``); 0: admit at once. Only requests
+    #: the adaptive policy grouped wait; priority and explicit ones never do.
+    hold_steps: int = HOLD_STEPS
     #: Adaptive policy: enter TP below this many requests per engine...
     light_load: float = _POLICY.light_load
     #: ...and go back to DP above this many.
@@ -137,6 +143,8 @@ class FlyingConfig:
                     f"{_flag(name)} must be one of {', '.join(TRUST_MODES)}, "
                     f"got {getattr(self, name)!r}"
                 )
+        if self.hold_steps < 0:
+            raise ConfigError(f"--flying-hold-steps must be >= 0, got {self.hold_steps}")
         if self.priority_max_paused < -1:
             raise ConfigError(
                 f"--flying-priority-max-paused must be >= 0, or -1 for no bound, "
@@ -200,6 +208,7 @@ _HELP = {
     "priority_threshold": "Priority at or above which a request runs in the largest TP group.",
     "preempt": "hard: pause members' DP requests (KV kept) for a bind; soft: let them finish first.",
     "move_to_dp": "Groups whose running requests move between layouts with their KV: policy, all, off.",
+    "hold_steps": "Group steps an arrival may wait for a group's running requests to finish before its prefill pauses them (0: never).",
     "light_load": "Adaptive policy: requests per engine below which engines group into TP.",
     "heavy_load": "Adaptive policy: requests per engine above which engines return to DP.",
     "tp_gain": "How much faster a group's measured step must be than one engine's to pick it for latency (0.10: 10 per cent).",

@@ -36,7 +36,7 @@ def attach(scheduler) -> None:
     )
     engine = FlyingEngine(
         dp_rank, pool, cfg.bind_timeout_s, cfg.preempt, dp_limit=dp_limit,
-        move_to_dp=cfg.move_to_dp, upgrades=upgrades,
+        move_to_dp=cfg.move_to_dp, upgrades=upgrades, hold_steps=cfg.hold_steps,
     )
     engine.prepare(scheduler)  # every degree's views, KV view and backend, now
     if not any(p.per_slot > 1 for p in engine.prepared.values()):

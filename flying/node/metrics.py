@@ -141,6 +141,8 @@ class FlyingCollector:
                 ("aborted_binds", "binds aborted by the bounded handshake"),
                 ("preempted_dp_requests", "DP requests paused (KV kept) by a TP session"),
                 ("tp_requests", "requests served in TP sessions"),
+                ("held_admissions", "arrivals a group's leader held while its running "
+                 "requests finished"),
                 ("moved_to_dp", "running requests a group handed to DP with their KV"),
                 ("moved_tokens", "tokens of KV moved from groups to DP"),
                 ("upgraded", "running DP requests that outgrew their engine into a group"),

@@ -33,6 +33,9 @@ class EngineCounters:
     #: TP steps whose result SGLang's overlap loop processed after launching the next
     #: TP step (``flying.session.overlap``: a group's steps overlapped as DP steps are)
     overlapped_tp_steps: int = 0
+    #: arrivals a group's leader held while its running requests finished
+    #: (``scheduler.hold``: their prefill would have paused them near their end)
+    held_admissions: int = 0
     #: DP steps an engine ran between the TP steps of its sessions
     dp_steps_in_session: int = 0
     #: the most TP steps a member ran in a row while it had DP work waiting (the

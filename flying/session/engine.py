@@ -47,6 +47,7 @@ from flying.session.messages import Bind
 from flying.session.status_writer import StatusWriter
 from flying.session.step_costs import StepClock, sample_of
 from flying.substrate.comm_pool import CommPool
+from scheduler import hold
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +70,7 @@ class FlyingEngine(Lifecycle, Drain):
     def __init__(
         self, dp_rank: int, pool: CommPool | None, bind_timeout_s: float, preempt: str = "hard",
         dp_limit: int = 0, move_to_dp: str = "policy", upgrades: bool = False,
+        hold_steps: int = hold.HOLD_STEPS,
     ):
         self.dp_rank = dp_rank
         self.pool = pool
@@ -76,6 +78,9 @@ class FlyingEngine(Lifecycle, Drain):
         self.preempt = preempt
         #: which sessions hand their requests to DP when DP work waits (``move.allowed``)
         self.move_to_dp = move_to_dp
+        #: the most group steps an arrival waits for the running requests to finish
+        #: (``scheduler.hold``; 0: never)
+        self.hold_steps = hold_steps
         #: The longest request (prompt + output) SGLang admits on this engine in DP mode
         #: (its max_req_len, before any session swaps it): what a request without
         #: max_new_tokens may grow to.

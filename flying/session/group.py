@@ -82,6 +82,9 @@ class GroupSession:
     #: move: each new session would otherwise hand its requests to DP at once.
     dp_arrived: bool = False
     dp_turn: bool = False  # the next boundary runs a DP step if there is DP work
+    #: boundaries the leader has held the arrival at its queue's head while the running
+    #: requests finish (``scheduler.hold``); 0 once it is offered
+    held_steps: int = 0
     #: this member's DP decode needs KV slots the session holds: its DP step is held
     #: and the session yields (moves its requests or, closed to new ones, drains)
     dp_held: bool = False

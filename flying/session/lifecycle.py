@@ -28,6 +28,7 @@ from flying.session.drain import scheduler_form as _form
 from flying.session.group import GroupSession, State
 from flying.session.messages import Bind
 from flying.session.release import Release
+from scheduler import hold
 
 logger = logging.getLogger(__name__)
 
@@ -213,9 +214,10 @@ class Lifecycle(Release):
         # request joins at the first boundary after its bind arrived, as SGLang's own
         # scheduler takes a request at its next step.
         admitting = s.scope.admitting and not wants_move and not held
-        offers = exchange.offer(
-            s.member, admission.candidates(self.pending, s.bind) if admitting else []
-        )
+        candidates = admission.candidates(self.pending, s.bind) if admitting else []
+        if candidates and s.is_leader and self._holds(scheduler, s):
+            candidates = []  # offered (and admitted) once the running requests are done
+        offers = exchange.offer(s.member, candidates)
         if offers:
             if offers[0] >= admission.UPGRADE_OFFER and self.result.kept:
                 self.result.process(scheduler)  # an upgrade leaves the TP state: no kept step
@@ -273,6 +275,25 @@ class Lifecycle(Release):
                 raise RuntimeError(f"flying: TP session made no progress: {_describe(scheduler)}")
         self.poll(scheduler)  # offers to take: their binds may still be in flight
         return None
+
+    def _holds(self, scheduler, s: GroupSession) -> bool:
+        """The leader, before offering: whether the arrival at its queue's head waits
+        for the running requests to finish (``scheduler.hold.holds``); counts the
+        boundaries it has waited. Only the leader's answer is shared (``offer``)."""
+        head = self.pending[0]
+        waiting = bool(scheduler.waiting_queue) or scheduler.chunked_req is not None
+        reqs = list(scheduler.running_batch.reqs)
+        last = scheduler.last_batch  # a prefill's requests join the running batch at forming
+        if last is not None and last.forward_mode.is_extend():
+            reqs += [r for r in last.reqs if r not in reqs]
+        left = [r.sampling_params.max_new_tokens - len(r.output_ids) for r in reqs]
+        if (head.upgrade is None and head.reason in hold.HOLDABLE and not waiting
+                and hold.holds(left, s.held_steps, self.hold_steps)):
+            s.held_steps += 1
+            self.counters.held_admissions += s.held_steps == 1
+            return True
+        s.held_steps = 0
+        return False
 
     def upgrade_into(self, scheduler, bind: Bind) -> int:
         """Every member, TP state, the same boundary (``admission.admit``): a member's

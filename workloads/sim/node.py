@@ -16,8 +16,9 @@ What the real node does with a decision, as ``flying.session`` does it:
   step (a member without waits in the next group step's collective); same-group binds
   at the head of the leader's queue join at the next boundary, before its batch is
   formed (as ``Lifecycle._tp_form`` does: ``exchange.offer``), while every member can
-  reserve their KV (else admission closes for the session); the session ends when it
-  has no request and no offer left;
+  reserve their KV (else admission closes for the session), unless the leader holds
+  the head arrival while every running request finishes (``scheduler.hold``, the same
+  function); the session ends when it has no request and no offer left;
 - moves and joins (``relayout``) under ``--flying-move-to-dp``. A session moves when
   DP requests arrived at a member during it (``GroupSession.dp_arrived``: at one of the
   member's boundaries after the bind, a DP request waiting there, dispatched during the
@@ -51,6 +52,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
+from scheduler.hold import HOLD_STEPS, HOLDABLE, holds
 from scheduler.layout_choice import SwitchCosts
 from workloads.sim import relayout
 from workloads.sim.batching import Batcher, SimRequest, Step
@@ -111,6 +113,7 @@ class Session:
     #: a member's DP arrivals as the last group step's exchange shared them
     arrived: bool = False
     extra_ms: float = 0.0  # switch and join costs paid by the next group step
+    held_steps: int = 0  # boundaries the head arrival has been held (``scheduler.hold``)
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -138,9 +141,13 @@ class SimNode:
     def __init__(self, engines: int, profile: Profile, loop: Loop, move_to_dp: str = "policy",
                  bind_timeout_s: float = 30.0, on_done: Callable[[SimRequest], None] = lambda r: None,
                  on_layout: Callable[[float, list[int]], None] = lambda t, d: None,
-                 log: Callable[[dict], None] | None = None, group_loop: GroupLoop = "flying"):
+                 log: Callable[[dict], None] | None = None, group_loop: GroupLoop = "flying",
+                 hold_steps: int = HOLD_STEPS):
         self.profile = profile
         self.group_loop: GroupLoop = group_loop if profile.overlap else "normal"
+        #: ``scheduler.hold``: how long a group's arrivals may wait (a node's groups only:
+        #: SGLang's own TP and a node before session 52 admit at once)
+        self.hold_steps = hold_steps if self.group_loop == "flying" else 0
         self.engines = [Engine(r, profile) for r in range(engines)]
         self.loop = loop
         self.move_to_dp = move_to_dp
@@ -152,7 +159,7 @@ class SimNode:
         self.sessions: list[Session] = []
         self._rr = 0  # SGLang's round-robin counter
         self.counters = {"sessions": 0, "moves": 0, "joins": 0, "upgrades": 0,
-                         "bind_timeouts": 0}
+                         "bind_timeouts": 0, "held": 0}
 
     # -- entering the node ------------------------------------------------------------
 
@@ -315,7 +322,10 @@ class SimNode:
             # the binds pending now, offered and admitted before the batch is formed
             # (``Lifecycle._tp_form``, ``exchange.offer``)
             if s.admitting and not wants_move:
-                relayout.admit(self, s, relayout.offers(s))
+                offered = relayout.offers(s)
+                if offered and self._holds(s, offered[0]):
+                    offered = []  # the running requests finish first (``scheduler.hold``)
+                relayout.admit(self, s, offered)
             if wants_move and relayout.ready(s):
                 if relayout.move(self, s):
                     return
@@ -339,6 +349,19 @@ class SimNode:
         for m in s.members:
             m.state = "group"
         self.loop.at(self.loop.now + ms / 1000.0, self._group_done, s, step)
+
+    def _holds(self, s: Session, head: Bind) -> bool:
+        """``Lifecycle._holds``: whether the group's leader holds its queue's head arrival
+        at this boundary while every running request finishes; counts the boundaries."""
+        server = s.server
+        left = [r.max_new - r.out for r in server.running]
+        if (head.reason in HOLDABLE and not (server.waiting or server.chunk or server.prefilling)
+                and holds(left, s.held_steps, self.hold_steps)):
+            s.held_steps += 1
+            self.counters["held"] += s.held_steps == 1
+            return True
+        s.held_steps = 0
+        return False
 
     def _group_done(self, s: Session, step: Step) -> None:
         s.server.complete(step, self.loop.now, lambda r: self._done_tp(s, r),

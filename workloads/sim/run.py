@@ -94,7 +94,7 @@ def simulate(
     node = SimNode(engines, profile, loop, cfg.move_to_dp, cfg.bind_timeout_s,
                    on_layout=lambda t, d: layout.append((t, d)),
                    log=(lambda doc: lines.append(json.dumps(doc))) if log else None,
-                   group_loop=group_loop)
+                   group_loop=group_loop, hold_steps=cfg.hold_steps)
     control = Controller(node, profile, cfg, degrees, lines.append if log else None)
     reqs = [_request(r, (explicit or {}).get(r.index, 0)) for r in trace]
     for req in reqs:
