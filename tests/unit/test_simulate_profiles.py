@@ -238,3 +238,16 @@ def test_validate_runs_each_systems_groups_as_its_server_ran_them(tmp_path):
     assert group_loop_of(tmp_path) == "flying"
     assert system_loop("static-tp", "normal") == "sglang"
     assert system_loop("flying", "normal") == "normal" and system_loop("static-dp", "flying") == "flying"
+
+
+def test_validate_holds_arrivals_only_for_a_run_whose_node_could(tmp_path):
+    """A Flying run's groups hold arrivals (``scheduler.hold``) in the simulation only
+    where its status document has ``held_admissions`` (a node since session 52)."""
+    from workloads.sim.validate import held_admissions
+    assert held_admissions(tmp_path)  # nothing saved: today's node
+    (tmp_path / "flying").mkdir()
+    status = tmp_path / "flying" / "status.json"
+    status.write_text(json.dumps({"engines": [], "totals": {"overlapped_tp_steps": 9}}))
+    assert not held_admissions(tmp_path)
+    status.write_text(json.dumps({"engines": [], "totals": {"held_admissions": 0}}))
+    assert held_admissions(tmp_path)

@@ -107,6 +107,16 @@ def group_loop_of(run_dir: Path) -> GroupLoop:
     return "flying"
 
 
+def held_admissions(run_dir: Path) -> bool:
+    """Whether the Flying run's groups could hold an arrival (``scheduler.hold``): its
+    saved status document has the ``held_admissions`` counter (since session 52)."""
+    status = run_dir / "flying" / "status.json"
+    if status.is_file():
+        totals = json.loads(status.read_text()).get("totals")
+        return isinstance(totals, dict) and "held_admissions" in totals
+    return True
+
+
 def system_loop(system: str, flying_loop: GroupLoop) -> GroupLoop:
     """The group loop a measured system's groups ran: SGLang's own TP always overlaps."""
     return "sglang" if system == "static-tp" else flying_loop
@@ -232,6 +242,8 @@ def compare_run(run_dir: Path, decision_log: str | None = None, kv_heads: int = 
             continue
         records = load_records(records_file)
         name, cfg = settings(system, engines, head)
+        if not held_admissions(run_dir):
+            cfg = replace(cfg, hold_steps=0)  # a node before the hold
         own = profile
         loop = system_loop(system, flying_loop)
         if steps == "records":  # this server's own steps, from its client's token times
