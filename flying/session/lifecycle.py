@@ -286,9 +286,11 @@ class Lifecycle(Release):
         last = scheduler.last_batch  # a prefill's requests join the running batch at forming
         if last is not None and last.forward_mode.is_extend():
             reqs += [r for r in last.reqs if r not in reqs]
-        left = [r.sampling_params.max_new_tokens - len(r.output_ids) for r in reqs]
+        bounds = [r.sampling_params.max_new_tokens for r in reqs]
         if (head.upgrade is None and head.reason in hold.HOLDABLE and not waiting
-                and hold.holds(left, s.held_steps, self.hold_steps)):
+                and None not in bounds  # one without a bound (joined from DP) may run on
+                and hold.holds([b - len(r.output_ids) for b, r in zip(bounds, reqs, strict=True)],
+                               s.held_steps, self.hold_steps)):
             s.held_steps += 1
             self.counters.held_admissions += s.held_steps == 1
             return True
