@@ -1,4 +1,4 @@
-"""The per-step exchange of a group session: one small collective per step.
+"""The per-step exchange of a group session: two small collectives per step.
 
 Every step each member contributes the signature of the batch it formed; the leader's
 values reach everyone, with the leader's pending offers and abort announcements, and the
