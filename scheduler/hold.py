@@ -19,8 +19,8 @@ Invariants:
   running requests finish (or stop earlier) before the bound and the arrival never
   waits only to pause them anyway;
 - nothing is held behind a request that is still prefilling or waiting, nor behind an
-  empty batch, and only binds the adaptive policy made for latency or goodput
-  (``HOLDABLE``): a priority, long-context or explicitly grouped request is admitted at
+  empty batch, and only for binds the policy made (adaptive or static-tp:
+  ``HOLDABLE``): a priority, long-context or explicitly grouped request is admitted at
   once.
 """
 

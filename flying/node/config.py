@@ -70,7 +70,8 @@ class FlyingConfig:
     #: The most group steps an arrival for a running group waits while every request
     #: the group decodes finishes (by length) within them, so that its prefill does not
     #: pause them near their end (``scheduler.hold``); 0: admit at once. Only requests
-    #: the adaptive policy grouped wait; priority and explicit ones never do.
+    #: the policy grouped (adaptive, static-tp) wait; priority, long-context and
+    #: explicit ones never do.
     hold_steps: int = HOLD_STEPS
     #: Adaptive policy: enter TP below this many requests per engine...
     light_load: float = _POLICY.light_load
