@@ -27,14 +27,14 @@ import time
 from collections import deque
 
 from flying.session.budget import kv_tokens_needed, resolved_max_new_tokens
-from flying.session.exchange import MAX_OFFERS
+from flying.session.exchange import MAX_ADMITS
 from flying.session.messages import Bind
 from flying.substrate import kv_adaptor
 
 logger = logging.getLogger(__name__)
 
-#: Binds offered per step (fixed width of the per-step exchange).
-MAX_PER_STEP = MAX_OFFERS
+#: Binds admitted per boundary (the width of ``exchange.offer``).
+MAX_PER_STEP = MAX_ADMITS
 #: How long a member waits for an offered bind to arrive on its socket.
 ARRIVAL_TIMEOUT_S = 5.0
 #: Added to an offered key whose bind is an upgrade (bind keys have 48 bits), so that a

@@ -21,7 +21,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SIG = 4
-MAX_OFFERS = 8  # binds offered for admission per step
+#: Pending binds the step's exchange carries: whether any wait (the session goes on) and
+#: an upgrade's, which is offered alone. Admission itself takes up to ``MAX_ADMITS``.
+MAX_OFFERS = 8
+#: Binds admitted at one boundary (the width of ``offer``): a burst for the group joins in
+#: one prefill, as SGLang's own scheduler takes every waiting request its prefill budget
+#: fits. At 8, 24 requests arriving at once were prefilled in waves of 8 back to back,
+#: and the first ones admitted waited ~1 s between two tokens (SGLang's TP-2: one wave of
+#: 23, ~150 ms); the collective grows by 24 ints a step.
+MAX_ADMITS = 32
 MAX_ABORTS = 4  # client aborts announced per step
 WIDTH = SIG + 1 + MAX_OFFERS + 1 + MAX_ABORTS
 _CHECKSUM_MOD = 1 << 40
@@ -57,9 +65,9 @@ class Shared:
 
 def offer(member, offers: list[int]) -> list[int]:
     """The leader's ``offers`` (bind keys for this session's group, at most
-    ``MAX_OFFERS``) on every member: a boundary's first collective, before its batch is
+    ``MAX_ADMITS``) on every member: a boundary's first collective, before its batch is
     formed, so that every member admits the same binds at this boundary."""
-    shared, _ = member.share_ints(_padded(offers[:MAX_OFFERS], MAX_OFFERS), 1 + MAX_OFFERS)
+    shared, _ = member.share_ints(_padded(offers[:MAX_ADMITS], MAX_ADMITS), 1 + MAX_ADMITS)
     return shared[1 : 1 + shared[0]]
 
 

@@ -148,7 +148,7 @@ def test_admission_offers_only_the_head_of_the_queue_for_the_same_group():
     q = deque([b(1), b(2), b(3, (0, 1, 2, 3)), b(4)])
     assert candidates(q, session) == [1, 2]  # stops at the bind for another group
     assert candidates(deque([b(9, (2, 3))]), session) == []
-    many = deque(b(i) for i in range(1, 20))
+    many = deque(b(i) for i in range(1, MAX_PER_STEP + 20))
     assert candidates(many, session) == list(range(1, MAX_PER_STEP + 1))
     assert bind_key(b(0xABCDEF)) == 0xABCDEF
 

@@ -38,17 +38,17 @@ def test_offers_aborts_and_counts_round_trip():
 
 def test_a_boundary_offer_is_the_leaders_and_capped():
     """``offer`` (before the batch is formed): every member gets the leader's binds,
-    at most ``MAX_OFFERS`` of them; a member's own list is ignored."""
+    at most ``MAX_ADMITS`` of them; a member's own list is ignored."""
 
     class _Wire:
         tp_rank = 1
 
         def share_ints(self, values, n, own=0):
-            assert len(values) == n == 1 + exchange.MAX_OFFERS
+            assert len(values) == n == 1 + exchange.MAX_ADMITS
             return [2, 21, 22, *[0] * (n - 3)], own
 
     assert exchange.offer(_Wire(), [5, 6, 7]) == [21, 22]
-    many = list(range(1, 20))
+    many = list(range(1, exchange.MAX_ADMITS + 20))
 
     class _Echo(_Wire):
         tp_rank = 0
@@ -56,7 +56,7 @@ def test_a_boundary_offer_is_the_leaders_and_capped():
         def share_ints(self, values, n, own=0):
             return list(values), own
 
-    assert exchange.offer(_Echo(), many) == many[: exchange.MAX_OFFERS]
+    assert exchange.offer(_Echo(), many) == many[: exchange.MAX_ADMITS]
     assert exchange.offer(_Echo(), []) == []
 
 

@@ -154,7 +154,7 @@ def test_on_the_h100_profile_a_saturating_burst_takes_what_the_profile_says():
     dp = 64 * 512 // chunk * c.prefill(1, chunk) + 127 * c.decode(1, 64)
     tp = profile.switch.bind_ms + 512 * 512 // chunk * c.prefill(8, chunk) + 127 * c.decode(8, 512)
     assert spans["static-dp"] * 1000 == pytest.approx(dp, rel=0.01)
-    # the group admits 8 binds a boundary (``exchange.MAX_OFFERS``), as Flying's
+    # the group admits 32 binds a boundary (``exchange.MAX_ADMITS``), as Flying's
     # sessions do: a few decode steps run between the burst's prefills (within 2 %)
     assert tp <= spans["static-tp8"] * 1000 <= tp * 1.02
     assert (spans["static-tp8"] < spans["static-dp"]) == (tp < dp)

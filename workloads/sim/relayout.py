@@ -11,7 +11,7 @@ Each follows the engine code it models (``flying.session.lifecycle``, ``admissio
   cannot, the leader runs the request in DP. An upgrade's bind takes the running DP
   request from its holder instead, with its KV;
 - admission: the same-group binds at the head of the leader's queue (at most
-  ``MAX_OFFERS`` a boundary) join while every member can reserve; the first that
+  ``MAX_ADMITS`` a boundary) join while every member can reserve; the first that
   cannot closes admission for the session (it runs in a later session, in order);
 - join (a forming session whose bind may move, no member but the leader with DP
   requests waiting or being prefilled): the members' running DP requests, in rank
@@ -28,7 +28,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from flying.session.budget import kv_tokens_needed
-from flying.session.exchange import MAX_OFFERS
+from flying.session.exchange import MAX_ADMITS
 from scheduler.relayout import MAX_JOIN, assign, joinable, reservable, running_budget
 from workloads.sim.batching import SimRequest
 
@@ -110,7 +110,7 @@ def offers(s: Session) -> list:
         if b.ranks != s.ranks or b.degree != s.bind.degree or b.upgrade is not None:
             break
         out.append(b)
-        if len(out) == MAX_OFFERS:
+        if len(out) == MAX_ADMITS:
             break
     return out
 
