@@ -3,7 +3,7 @@
 Every step each member contributes the signature of the batch it formed; the leader's
 values reach everyone, with the leader's pending offers and abort announcements, and the
 count of members that have DP work waiting (a sum). Before the batch is formed, a
-second, smaller collective (``offer``) shares the binds the leader admits at this
+second collective (``offer``, ``MAX_ADMITS`` wide) shares the binds the leader admits at this
 boundary. Layout of the shared ints (fixed width, so
 every member issues the identical collective)::
 

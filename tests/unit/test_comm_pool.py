@@ -150,6 +150,9 @@ def test_admission_offers_only_the_head_of_the_queue_for_the_same_group():
     assert candidates(deque([b(9, (2, 3))]), session) == []
     many = deque(b(i) for i in range(1, MAX_PER_STEP + 20))
     assert candidates(many, session) == list(range(1, MAX_PER_STEP + 1))
+    # a burst of 24 joins at one boundary, as SGLang's own scheduler prefills it at once
+    burst = deque(b(i) for i in range(1, 25))
+    assert candidates(burst, session) == list(range(1, 25))
     assert bind_key(b(0xABCDEF)) == 0xABCDEF
 
 
