@@ -40,15 +40,16 @@ def test_anything_that_needs_the_requests_up_to_date_processes_it(field, value):
     assert not overlap.keeps(dataclasses.replace(_running(), **{field: value}))
 
 
-def _batch(i: int, last: bool = False):
-    reqs = [SimpleNamespace(next_output_finishes_by_length=lambda: False),
-            SimpleNamespace(next_output_finishes_by_length=lambda: last)]
+def _batch(i: int, last: bool = False, all_last: bool = False):
+    reqs = [SimpleNamespace(next_output_finishes_by_length=lambda: all_last),
+            SimpleNamespace(next_output_finishes_by_length=lambda: last or all_last)]
     return SimpleNamespace(name=f"batch{i}", reqs=reqs)
 
 
 class _Scheduler:
-    def __init__(self, queued: int, last: bool = False):
-        self.result_queue = deque((_batch(i, last), f"result{i}") for i in range(queued))
+    def __init__(self, queued: int, last: bool = False, all_last: bool = False):
+        self.result_queue = deque((_batch(i, last, all_last), f"result{i}")
+                                  for i in range(queued))
         self.last_batch = "last"
         self.processed: list = []
 
@@ -77,7 +78,14 @@ def test_nothing_queued_nothing_kept_and_the_normal_loop_has_no_queue():
     assert not result.processed
 
 
-def test_a_result_with_a_requests_last_token_is_not_kept():
-    """Its last token goes out now, not behind the next step (a prefill, maybe)."""
+def test_a_result_whose_every_request_ends_is_not_kept():
+    """Their last tokens go out now, not behind the next step (a prefill, maybe)."""
     result = overlap.PendingResult()
-    assert not result.keep(_Scheduler(1, last=True)) and not result.kept
+    assert not result.keep(_Scheduler(1, all_last=True)) and not result.kept
+
+
+def test_a_result_where_one_request_ends_among_running_ones_is_kept():
+    """Processed early, the running requests' tokens would go out a step early and
+    their next gap would be two steps: kept, as SGLang's loop keeps it."""
+    result = overlap.PendingResult()
+    assert result.keep(_Scheduler(1, last=True)) and result.kept

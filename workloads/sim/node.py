@@ -33,7 +33,7 @@ tokens to the client when the engine's next step ends (``Batcher.reveal``); at a
 boundary in a session or with a bind pending the engine processes the result at once.
 A group's steps run under ``group_loop``: ``"flying"`` (a node since session 50,
 ``flying.session.overlap``): a group step's tokens wait for the next group step's end
-unless the step holds a request's last token or a member has DP work (or it arrived
+unless every request in the step gets its last token, or a member has DP work (or it arrived
 in the last exchange; upgrades are not offered in sessions here); a member whose DP
 work arrived while a result is kept runs its DP step one group step later;
 ``"normal"`` (a node before it): each group step's tokens out when it ends;
@@ -379,10 +379,13 @@ class SimNode:
             return self.group_loop == "sglang"
         if s.arrived or any(m.dp.has_work() for m in s.members):
             return False
+        # kept unless every request in it gets its last token (``PendingResult.keep``)
         if step.kind == "decode":
-            return not any(r.out + 1 >= r.max_new for r in step.reqs if not r.done)
-        return not any(r.prefilled + k >= r.prompt and r.max_new <= 1
-                       for r, k in zip(step.reqs, step.tokens, strict=True) if not r.done)
+            last = [r.out + 1 >= r.max_new for r in step.reqs if not r.done]
+        else:
+            last = [r.prefilled + k >= r.prompt and r.max_new <= 1
+                    for r, k in zip(step.reqs, step.tokens, strict=True) if not r.done]
+        return not (last and all(last))
 
     def _done_tp(self, s: Session, req: SimRequest) -> None:
         s.used -= req.slots
