@@ -4,8 +4,8 @@ Two parts, both attribute toggles (``flying.substrate.toggle``):
 - ``Prepared`` (per TP degree, built once at engine start-up): the layer views, the TP
   view of the KV pool, an attention backend bound to it, and which SGLang components
   hold the tree cache, the allocator and the pool size (found once, by scanning).
-- ``Scope`` (per group session): the session's allocator over its reserved sub-slots, a
-  disabled prefix cache, its own queues and limits. ``enter()`` switches the engine
+- ``Scope`` (per group session): the session's allocator over its reserved sub-slots, its
+  own prefix cache (``_session_cache``), queues and limits. ``enter()`` switches the engine
   into the session's TP state, ``leave()`` back to its DP state, keeping both sides'
   state; the engine does that around every TP step, so DP steps can run between them.
 
@@ -14,8 +14,8 @@ What the TP state swaps:
 - model runner: KV pool -> TP view of the same memory (its heads split, or replicated
   when the model has fewer KV heads than the degree: ``layout.KvSplit``), allocator -> the reserved
   sub-slots, attention backend -> an instance bound to the TP view;
-- scheduler: allocator and a disabled prefix cache for TP requests (they never enter
-  the DP radix tree: different index space, partial heads), its DP queues (waiting and
+- scheduler: allocator and the session's own prefix cache for TP requests (they never
+  enter the DP radix tree: different index space, partial heads), its DP queues (waiting and
   grammar) and running batch (stashed, untouched: hard preemption keeps their KV),
   capacity limits;
 - sampling: the sampler's token sync (SGLang's ``_sync_token_ids_across_tp``) shares the
@@ -93,13 +93,32 @@ def reject(scheduler, req, message: str) -> None:
             r.set_finish_with_abort(message)
 
 
-def _disabled_cache(scheduler, allocator):
+def _session_cache(scheduler, allocator):
+    """The session's prefix cache: SGLang's radix tree over the TP sub-slots, so that a
+    request in a group reuses the KV of an earlier request of the same session with the
+    same prefix, as on each rank of SGLang's own ``--tp-size`` server. Disabled where the
+    engine's own cache is (``--disable-radix-cache``, a non-radix cache, pages > 1).
+
+    Lockstep: each member keeps its own tree over its own sub-slots, and the members
+    take the same requests in the same order, so their trees match token for token and
+    every member's prefill matches the same prefix (SGLang's TP ranks rely on the same):
+    the LRU order comes from SGLang's access counter, not a clock, and a mismatch would
+    show as a lockstep mismatch in the step's exchange (``exchange``), which ends the
+    session. The tree lives for the session only: its nodes point into the session's
+    reservations, so ``Scope.release_all`` empties it before they go back. It never
+    holds DP KV (different index space, part of the heads)."""
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.unified_cache.components import ComponentType
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
+    dp = scheduler.tree_cache
+    enabled = (
+        type(dp) is UnifiedRadixCache and not dp.disable
+        and tuple(dp.tree_components) == (ComponentType.FULL,)
+        and int(getattr(dp, "page_size", 1)) == 1
+    )
     params = CacheInitParams(
-        disable=True,
+        disable=not enabled,
         req_to_token_pool=scheduler.req_to_token_pool,
         token_to_kv_pool_allocator=allocator,
         page_size=1,
@@ -168,7 +187,7 @@ class Prepared:
     size_holders: list[object]  # components with their own ``max_total_num_tokens``
     #: which KV heads each rank holds (split, or replicated when H_kv < degree)
     split: KvSplit
-    #: the TP allocator and disabled prefix cache, made at the first session and reused
+    #: the TP allocator and the session's prefix cache, made at the first session and reused
     #: (re-pointed at each session's reservation): one session per degree at a time
     allocator: object = None
     cache: object = None
@@ -274,7 +293,11 @@ class Scope:
             setattr(self.scheduler, name, capacity - 1)
 
     def release_all(self) -> None:
-        """Give every reserved DP slot back to the engine (after leaving)."""
+        """Give every reserved DP slot back to the engine (after leaving), first emptying
+        the session's prefix cache, whose nodes point into them."""
+        cache = self.prepared.cache
+        if cache is not None and not cache.disable:
+            cache.reset()
         for res in self.reservations:
             kv_adaptor.release(self.dp_allocator, res)
         self.reservations = []
@@ -352,7 +375,7 @@ def open_scope(scheduler, prepared: Prepared, member, reservation, is_leader: bo
     dp_allocator = scheduler.token_to_kv_pool_allocator
     if prepared.allocator is None:
         prepared.allocator = kv_adaptor.make_tp_allocator(dp_allocator, prepared.tp_pool, reservation)
-        prepared.cache = _disabled_cache(scheduler, prepared.allocator)
+        prepared.cache = _session_cache(scheduler, prepared.allocator)
     else:
         kv_adaptor.reset_tp_allocator(prepared.allocator, reservation)
     capacity = int(reservation.tp_slots.numel())

@@ -1,0 +1,47 @@
+"""A group's own prefix cache (``tp_scope._session_cache``) on real SGLang: a request
+admitted into a running TP-2 session reuses the KV of an earlier request of that
+session with the same prefix, as on each rank of SGLang's own ``--tp-size`` server, and
+its tokens stay exact; the session's slots all come back when it ends."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from tests.integration.test_switching import TP2, _generate, _status, _wait_idle_status
+from tests.reference import greedy_tokens, prompts
+
+pytestmark = pytest.mark.integration
+
+
+def _wait_for_group(server, timeout=60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not any(e["mode"] != "dp" for e in _status(server)["engines"]):
+        assert time.monotonic() < deadline, "the first request never formed a group"
+        time.sleep(0.05)
+
+
+def test_a_request_joining_a_group_reuses_a_prefix_of_its_session(dp2_server, demo_model_dir):
+    prefix = prompts(1, 96, seed=41)[0]
+    first_ids, second_ids = [*prefix, 5, 6, 7], [*prefix, 11, 12, 13, 14]
+    out: dict = {}
+    first = threading.Thread(target=lambda: out.update(first=_generate(dp2_server, first_ids, 400, TP2)))
+    first.start()
+    try:
+        _wait_for_group(dp2_server)
+        time.sleep(0.3)  # the first request's prompt is prefilled (and cached) by now
+        second = _generate(dp2_server, second_ids, 8, TP2)
+    finally:
+        first.join(timeout=300)
+    assert out["first"]["meta_info"]["flying"]["mode"] == "tp"
+    assert out["first"]["output_ids"] == greedy_tokens(demo_model_dir, first_ids, 400)
+    meta = second["meta_info"]
+    assert meta["flying"]["mode"] == "tp" and meta["flying"]["ranks"] == [0, 1]
+    # the shared prompt came from the group's cache: only the new suffix was prefilled
+    assert len(prefix) <= meta["cached_tokens"] < len(second_ids)
+    assert second["output_ids"] == greedy_tokens(demo_model_dir, second_ids, 8)
+    doc = _wait_idle_status(dp2_server)
+    for engine in doc["engines"]:  # the cache's nodes went with the session's slots
+        assert engine["free_kv_slots"] == engine["total_kv_slots"], engine
