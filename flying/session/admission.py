@@ -9,8 +9,8 @@ every member admits them:
 
 1. each member waits (bounded) until it has received the offered binds: the controller
    sent them to every member, so they are in flight, not missing;
-2. each member reserves the DP slots each one needs from its own engine allocator
-   (no eviction inside a session: the DP prefix cache is swapped out);
+2. each member reserves the DP slots each one needs from its own engine allocator,
+   evicting cached DP prefixes for them as a bind does (``tp_scope.make_dp_room``);
 3. the members agree on the number that every member could reserve (a MIN), give back
    the rest, and hand exactly those requests to SGLang in the same order.
 
@@ -26,6 +26,7 @@ import logging
 import time
 from collections import deque
 
+from flying.session import tp_scope
 from flying.session.budget import kv_tokens_needed, resolved_max_new_tokens
 from flying.session.exchange import MAX_ADMITS
 from flying.session.messages import Bind
@@ -117,9 +118,9 @@ def admit(engine, scheduler, member, session, keys: list[int]) -> int:
     for bind in binds:
         if engine.aborts.hits(bind.req.rid):
             break  # an aborted request is not admitted; its bind runs (and aborts) later
-        res = kv_adaptor.reserve(
-            session.dp_allocator, tokens_needed(bind, engine.dp_limit), session.prepared.per_slot
-        )
+        tokens, per_slot = tokens_needed(bind, engine.dp_limit), session.prepared.per_slot
+        tp_scope.make_dp_room(session, -(-tokens // per_slot))  # cached DP prefixes give way
+        res = kv_adaptor.reserve(session.dp_allocator, tokens, per_slot)
         if res is None:
             break
         reservations.append(res)

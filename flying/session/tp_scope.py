@@ -63,6 +63,25 @@ def _make_room(scheduler, slots: int) -> None:
         scheduler.tree_cache.evict(EvictParams(num_tokens=short))
 
 
+def make_dp_room(scope: Scope, slots: int) -> None:
+    """``_make_room`` from inside the session's TP state (an admission): evict cached DP
+    prefixes until ``slots`` DP slots are free. While the state is entered the DP tree's
+    allocator attribute is the session's (it is one of the swapped references), so it
+    is pointed back at the engine's for the eviction and restored in ``finally``."""
+    short = slots - scope.dp_allocator.available_size()
+    cache = scope.dp_cache
+    if short <= 0 or cache is None or getattr(cache, "disable", True):
+        return
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    swapped = cache.token_to_kv_pool_allocator
+    cache.token_to_kv_pool_allocator = scope.dp_allocator
+    try:
+        cache.evict(EvictParams(num_tokens=short))
+    finally:
+        cache.token_to_kv_pool_allocator = swapped
+
+
 def dp_room(scheduler) -> int:
     """DP slots this engine could give now (DP state): free, and evictable from its
     prefix cache."""

@@ -45,3 +45,33 @@ def test_a_request_joining_a_group_reuses_a_prefix_of_its_session(dp2_server, de
     doc = _wait_idle_status(dp2_server)
     for engine in doc["engines"]:  # the cache's nodes went with the session's slots
         assert engine["free_kv_slots"] == engine["total_kv_slots"], engine
+
+
+def test_a_request_joins_a_running_group_when_cached_dp_prefixes_fill_the_engines(dp2_server):
+    """Admission into a running session takes its DP slots as a bind does: cached DP
+    prefixes (evictable) give way. Without that, a member whose free KV is all cached
+    prefixes refused the request, admission closed for the session, and the request
+    waited for the whole session to drain before it got one of its own."""
+    # Both engines' DP pools full of cached 50-token prompts (more than fit: LRU keeps
+    # them full), so whatever a bind evicts leaves under 51 slots free, and the joining
+    # request needs 56 (112 tokens at 2 per slot).
+    for ids in prompts(90, 50, seed=43):
+        assert _generate(dp2_server, ids, 1)["meta_info"]["flying"]["mode"] == "dp"
+    first_ids, second_ids = prompts(2, 100, seed=44)
+    done: dict = {}
+
+    def first() -> None:
+        done["first"] = _generate(dp2_server, first_ids, 400, TP2)
+        done["first_at"] = time.monotonic()
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    try:
+        _wait_for_group(dp2_server)
+        time.sleep(0.3)
+        second = _generate(dp2_server, second_ids, 8, TP2)
+        second_at = time.monotonic()
+    finally:
+        thread.join(timeout=300)
+    assert second["meta_info"]["flying"]["mode"] == done["first"]["meta_info"]["flying"]["mode"] == "tp"
+    assert second_at < done["first_at"] - 0.5, "the second request waited for the session to end"
