@@ -9,8 +9,10 @@ every member admits them:
 
 1. each member waits (bounded) until it has received the offered binds: the controller
    sent them to every member, so they are in flight, not missing;
-2. each member reserves the DP slots each one needs from its own engine allocator,
-   evicting cached DP prefixes for them as a bind does (``tp_scope.make_dp_room``);
+2. each member reserves the DP slots each one needs beyond the session's spare
+   (``spare_tokens``: what its live requests cannot claim) from its own engine
+   allocator, evicting cached DP prefixes for them as a bind does
+   (``tp_scope.make_dp_room``);
 3. the members agree on the number that every member could reserve (a MIN), give back
    the rest, and hand exactly those requests to SGLang in the same order.
 
@@ -28,6 +30,7 @@ from collections import deque
 
 from flying.session import tp_scope
 from flying.session.budget import kv_tokens_needed, resolved_max_new_tokens
+from flying.session.containment import session_reqs
 from flying.session.exchange import MAX_ADMITS
 from flying.session.messages import Bind
 from flying.substrate import kv_adaptor
@@ -114,24 +117,50 @@ def admit(engine, scheduler, member, session, keys: list[int]) -> int:
             return 0
         return engine.upgrade_into(scheduler, binds[0])
     binds = _take(engine, scheduler, keys)
-    reservations = []
+    per_slot = session.prepared.per_slot
+    spare = spare_tokens(scheduler, session.capacity, engine.dp_limit)
+    reservations: list = []  # per bind: its Reservation, or None (the session's spare covers it)
     for bind in binds:
         if engine.aborts.hits(bind.req.rid):
             break  # an aborted request is not admitted; its bind runs (and aborts) later
-        tokens, per_slot = tokens_needed(bind, engine.dp_limit), session.prepared.per_slot
-        tp_scope.make_dp_room(session, -(-tokens // per_slot))  # cached DP prefixes give way
-        res = kv_adaptor.reserve(session.dp_allocator, tokens, per_slot)
+        tokens = tokens_needed(bind, engine.dp_limit)
+        short = tokens - spare
+        if short <= 0:
+            spare -= tokens
+            reservations.append(None)
+            continue
+        tp_scope.make_dp_room(session, -(-short // per_slot))  # cached DP prefixes give way
+        res = kv_adaptor.reserve(session.dp_allocator, short, per_slot)
         if res is None:
             break
+        spare += int(res.tp_slots.numel()) - tokens
         reservations.append(res)
     agreed = agree(member, session.dp_allocator, reservations)
     if agreed < len(keys):
         session.admitting = False  # the rest run in their own sessions, in order
     for bind, res in zip(binds[:agreed], reservations[:agreed], strict=True):
         engine.pending.remove(bind)
-        session.grow(res)
+        if res is not None:
+            session.grow(res)
         session.hand(scheduler, bind.req, bind.reason)
     return agreed
+
+
+def spare_tokens(scheduler, capacity: int, dp_limit: int) -> int:
+    """TP tokens of the session's pool that no live request of it may still claim:
+    ``capacity`` less each unfinished request's bound (prompt + output bound + slack,
+    its shared prefix counted in full). A request admitted within it needs no new
+    reservation, so a long session reuses the slots its finished requests left (in
+    its prefix cache or free) instead of reserving every request afresh until the
+    engines run out and admission closes (under steady load: after ~120 requests on
+    the hidden-1024 model, then a wait for the whole session to drain). The same on
+    every member: the same requests in the same state (lockstep). Runs in the TP state.
+    May be negative (a joined request's bound came from its own budget)."""
+    claimed = sum(
+        kv_tokens_needed(len(r.origin_input_ids), r.sampling_params.max_new_tokens, dp_limit)
+        for r in session_reqs(scheduler) if not r.finished()
+    )
+    return capacity - claimed
 
 
 def agree(member, dp_allocator, reservations: list) -> int:
@@ -139,5 +168,6 @@ def agree(member, dp_allocator, reservations: list) -> int:
     the group could make (one MIN); the rest are given back. Same answer on all."""
     agreed = member.min_int(len(reservations))
     for res in reservations[agreed:]:
-        kv_adaptor.release(dp_allocator, res)
+        if res is not None:
+            kv_adaptor.release(dp_allocator, res)
     return agreed
