@@ -56,30 +56,28 @@ def reserve_for(scheduler, tokens: int, per_slot: int):
 
 def _make_room(scheduler, slots: int) -> None:
     """Evict cached DP prefixes until ``slots`` DP slots are free (DP state), if it can."""
-    short = slots - scheduler.token_to_kv_pool_allocator.available_size()
-    if short > 0:
-        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
-
-        scheduler.tree_cache.evict(EvictParams(num_tokens=short))
+    _evict(scheduler.tree_cache, scheduler.token_to_kv_pool_allocator, slots)
 
 
 def make_dp_room(scope: Scope, slots: int) -> None:
-    """``_make_room`` from inside the session's TP state (an admission): evict cached DP
-    prefixes until ``slots`` DP slots are free. While the state is entered the DP tree's
-    allocator attribute is the session's (it is one of the swapped references), so it
-    is pointed back at the engine's for the eviction and restored in ``finally``."""
-    short = slots - scope.dp_allocator.available_size()
+    """``_make_room`` from inside the session's TP state (an admission). While the state
+    is entered the DP tree's allocator attribute is the session's (one of the swapped
+    references), so it points back at the engine's for the eviction (``finally``)."""
     cache = scope.dp_cache
-    if short <= 0 or cache is None or getattr(cache, "disable", True):
-        return
-    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
-
     swapped = cache.token_to_kv_pool_allocator
     cache.token_to_kv_pool_allocator = scope.dp_allocator
     try:
-        cache.evict(EvictParams(num_tokens=short))
+        _evict(cache, scope.dp_allocator, slots)
     finally:
         cache.token_to_kv_pool_allocator = swapped
+
+
+def _evict(cache, allocator, slots: int) -> None:
+    short = slots - allocator.available_size()
+    if short > 0:
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+        cache.evict(EvictParams(num_tokens=short))
 
 
 def dp_room(scheduler) -> int:
@@ -113,19 +111,13 @@ def reject(scheduler, req, message: str) -> None:
 
 
 def _session_cache(scheduler, allocator):
-    """The session's prefix cache: SGLang's radix tree over the TP sub-slots, so that a
-    request in a group reuses the KV of an earlier request of the same session with the
-    same prefix, as on each rank of SGLang's own ``--tp-size`` server. Disabled where the
-    engine's own cache is (``--disable-radix-cache``, a non-radix cache, pages > 1).
-
-    Lockstep: each member keeps its own tree over its own sub-slots, and the members
-    take the same requests in the same order, so their trees match token for token and
-    every member's prefill matches the same prefix (SGLang's TP ranks rely on the same):
-    the LRU order comes from SGLang's access counter, not a clock, and a mismatch would
-    show as a lockstep mismatch in the step's exchange (``exchange``), which ends the
-    session. The tree lives for the session only: its nodes point into the session's
-    reservations, so ``Scope.release_all`` empties it before they go back. It never
-    holds DP KV (different index space, part of the heads)."""
+    """The session's prefix cache: SGLang's radix tree over the TP sub-slots, as on each
+    rank of SGLang's ``--tp-size`` (off where the engine's is: ``--disable-radix-cache``,
+    a non-radix cache, pages > 1). Lockstep: every member takes the same requests in
+    the same order, so the members' trees match and their prefills match the same
+    prefix (LRU order comes from SGLang's access counter, not a clock; a mismatch fails
+    the step's lockstep check and ends the session). It lives for the session: its
+    nodes point into the reservations, so ``Scope.release_all`` empties it first."""
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.unified_cache.components import ComponentType
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache

@@ -60,10 +60,12 @@ def _bind(rid: str, prompt: int, new: int) -> Bind:
 
 
 def _admit(binds, capacity: int, running, dp_free: int):
-    grown, handed = [], []
+    grown, handed, evicted = [], [], []
+    cache = SimpleNamespace(token_to_kv_pool_allocator="the session's",
+                            evict=lambda params: evicted.append(params.num_tokens))
     session = SimpleNamespace(
         prepared=SimpleNamespace(per_slot=2), capacity=capacity, dp_allocator=_Allocator(dp_free),
-        dp_cache=None, admitting=True, grow=grown.append,
+        dp_cache=cache, admitting=True, grow=grown.append, evicted=evicted,
         hand=lambda sched, req, reason: handed.append(req.rid),
     )
     engine = SimpleNamespace(pending=deque(binds), dp_limit=LIMIT,
@@ -85,6 +87,7 @@ def test_a_request_within_the_spare_takes_no_reservation_and_one_beyond_it_the_s
     short = bound(40, 20, LIMIT) - 6
     assert len(grown) == 1 and grown[0].tp_slots.numel() == 2 * -(-short // 2)
     assert session.dp_allocator.available_size() == 100 - -(-short // 2)
+    assert session.evicted == []  # the engine had the room
 
 
 def test_without_dp_room_for_the_shortfall_admission_closes_and_keeps_order():
@@ -92,3 +95,7 @@ def test_without_dp_room_for_the_shortfall_admission_closes_and_keeps_order():
     capacity = admission.kv_tokens_needed(100, 60, LIMIT)  # no spare
     n, grown, handed, session = _admit([_bind("b", 30, 10)], capacity, running, dp_free=5)
     assert n == 0 and grown == [] and handed == [] and not session.admitting
+    # it asked the DP prefix cache for the missing slots first, with the engine's allocator
+    need = -(-admission.kv_tokens_needed(30, 10, LIMIT) // 2)
+    assert session.evicted == [need - 5]
+    assert session.dp_cache.token_to_kv_pool_allocator == "the session's"  # restored
