@@ -151,9 +151,9 @@ def spare_tokens(scheduler, capacity: int, dp_limit: int) -> int:
     ``capacity`` less each unfinished request's bound (prompt + output bound + slack,
     its shared prefix counted in full). A request admitted within it needs no new
     reservation, so a long session reuses the slots its finished requests left (in
-    its prefix cache or free) instead of reserving every request afresh until the
-    engines run out and admission closes (under steady load: after ~120 requests on
-    the hidden-1024 model, then a wait for the whole session to drain). The same on
+    its prefix cache or free). Before, every admission reserved its whole bound and
+    nothing came back until the release, so under steady load the engines ran out,
+    admission closed and later arrivals waited for the whole session to drain. The same on
     every member: the same requests in the same state (lockstep). Runs in the TP state.
     May be negative (a joined request's bound came from its own budget)."""
     claimed = sum(
