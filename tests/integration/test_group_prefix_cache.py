@@ -16,27 +16,36 @@ from tests.reference import greedy_tokens, prompts
 pytestmark = pytest.mark.integration
 
 
-def _wait_for_group(server, timeout=60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not any(e["mode"] != "dp" for e in _status(server)["engines"]):
-        assert time.monotonic() < deadline, "the first request never formed a group"
-        time.sleep(0.05)
+def _beside_a_running_group(server, first_ids, second_ids):
+    """A long TP-2 request (400 tokens), and a short one (8) sent once the first runs in
+    its group and has been prefilled; returns both answers and when each came."""
+    done: dict = {}
+
+    def first() -> None:
+        done["first"] = _generate(server, first_ids, 400, TP2)
+        done["first_at"] = time.monotonic()
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60.0
+        while not any(e["mode"] != "dp" for e in _status(server)["engines"]):
+            assert time.monotonic() < deadline, "the first request never formed a group"
+            time.sleep(0.05)
+        time.sleep(0.3)  # the first request's prompt is prefilled (and cached) by now
+        second = _generate(server, second_ids, 8, TP2)
+        second_at = time.monotonic()
+    finally:
+        thread.join(timeout=300)
+    return done["first"], done["first_at"], second, second_at
 
 
 def test_a_request_joining_a_group_reuses_a_prefix_of_its_session(dp2_server, demo_model_dir):
     prefix = prompts(1, 96, seed=41)[0]
     first_ids, second_ids = [*prefix, 5, 6, 7], [*prefix, 11, 12, 13, 14]
-    out: dict = {}
-    first = threading.Thread(target=lambda: out.update(first=_generate(dp2_server, first_ids, 400, TP2)))
-    first.start()
-    try:
-        _wait_for_group(dp2_server)
-        time.sleep(0.3)  # the first request's prompt is prefilled (and cached) by now
-        second = _generate(dp2_server, second_ids, 8, TP2)
-    finally:
-        first.join(timeout=300)
-    assert out["first"]["meta_info"]["flying"]["mode"] == "tp"
-    assert out["first"]["output_ids"] == greedy_tokens(demo_model_dir, first_ids, 400)
+    first, _, second, _ = _beside_a_running_group(dp2_server, first_ids, second_ids)
+    assert first["meta_info"]["flying"]["mode"] == "tp"
+    assert first["output_ids"] == greedy_tokens(demo_model_dir, first_ids, 400)
     meta = second["meta_info"]
     assert meta["flying"]["mode"] == "tp" and meta["flying"]["ranks"] == [0, 1]
     # the shared prompt came from the group's cache: only the new suffix was prefilled
@@ -58,20 +67,6 @@ def test_a_request_joins_a_running_group_when_cached_dp_prefixes_fill_the_engine
     for ids in prompts(90, 50, seed=43):
         assert _generate(dp2_server, ids, 1)["meta_info"]["flying"]["mode"] == "dp"
     first_ids, second_ids = prompts(2, 100, seed=44)
-    done: dict = {}
-
-    def first() -> None:
-        done["first"] = _generate(dp2_server, first_ids, 400, TP2)
-        done["first_at"] = time.monotonic()
-
-    thread = threading.Thread(target=first)
-    thread.start()
-    try:
-        _wait_for_group(dp2_server)
-        time.sleep(0.3)
-        second = _generate(dp2_server, second_ids, 8, TP2)
-        second_at = time.monotonic()
-    finally:
-        thread.join(timeout=300)
-    assert second["meta_info"]["flying"]["mode"] == done["first"]["meta_info"]["flying"]["mode"] == "tp"
-    assert second_at < done["first_at"] - 0.5, "the second request waited for the session to end"
+    first, first_at, second, second_at = _beside_a_running_group(dp2_server, first_ids, second_ids)
+    assert second["meta_info"]["flying"]["mode"] == first["meta_info"]["flying"]["mode"] == "tp"
+    assert second_at < first_at - 0.5, "the second request waited for the session to end"
