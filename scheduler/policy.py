@@ -22,7 +22,9 @@ Order of rules for one request:
    otherwise; load has hysteresis (enter TP below ``light_load``, leave above
    ``heavy_load`` requests per engine) so the mode does not flap; only a caller that
    passes the engines' loads and step costs gets a TP answer (without them it is DP:
-   a group that has not been shown to pay is never chosen for latency).
+   a group that has not been shown to pay is never chosen for latency); and under
+   adaptive, a conversation's turn (``Request.turn_tokens``) runs in DP, where an
+   engine keeps its history cached (``scheduler.conversations``).
 A DP-only request never gets a group from rules 3 and 4: it runs in DP, and the
 decision's reason names the feature. Rule 2 also applies mid-request: a running DP
 request without a bound of its own that outgrows its engine joins a group
@@ -40,6 +42,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from scheduler.conversations import is_turn
 from scheduler.costs import Costs
 from scheduler.layout_choice import Choice, LayoutChooser, SwitchCosts
 from scheduler.relayout import serving_other
@@ -66,6 +69,9 @@ class Request:
     #: body (``flying.node.request_slo``).
     slo_ttft_ms: float = 0.0
     slo_tpot_ms: float = 0.0
+    #: Prompt tokens that are an earlier request's whole prompt (``scheduler.conversations``:
+    #: the controller's index of the prompts it placed); 0: none found.
+    turn_tokens: int = 0
 
     @property
     def tokens(self) -> int:
@@ -249,7 +255,7 @@ class Policy:
         if policy == "static-tp" and largest > 1:
             return Decision("tp", largest, "static-tp")
         if policy == "adaptive" and largest > 1 and loads is not None and traffic is not None:
-            return self._by_goodput(loads, costs, traffic, switch or SwitchCosts())
+            return _as_turn(req, self._by_goodput(loads, costs, traffic, switch or SwitchCosts()))
         if policy == "adaptive" and largest > 1 and loads is not None:
             # Without loads (the HTTP process) the load rule is left to the caller that
             # sees them (the DP controller): the answer is DP, i.e. "no TP mark".
@@ -258,7 +264,7 @@ class Policy:
             if self.light:
                 pays, why = self.pays(largest, costs)
                 if pays:
-                    return Decision("tp", largest, "light load")
+                    return _as_turn(req, Decision("tp", largest, "light load"))
                 return Decision("dp", 1, f"adaptive: {why}")
             return Decision("dp", 1, "adaptive: heavy load")
         return Decision("dp", 1, policy)
@@ -346,6 +352,20 @@ class Policy:
             f"{self.node.capacity(largest)} tokens with the largest TP degree {largest} "
             f"({self.node.engine_capacity} for one engine)"
         )
+
+
+def _as_turn(req: Request, decision: Decision) -> Decision:
+    """``decision`` (the adaptive policy's own), or DP for a conversation's turn that it
+    would put in a group: an engine keeps the earlier turns in its prefix cache, where a
+    group's cache ends with its session and the group would prefill the whole history
+    again (``scheduler.conversations``; the controller sends the turn to the engine
+    that holds its conversation). Rule 4 only: a request that asked for a group (header,
+    priority, its own SLOs) or needs one (length) keeps it."""
+    if decision.mode != "tp" or not is_turn(req.turn_tokens, req.prompt_len):
+        return decision
+    return Decision("dp", 1, f"a conversation's turn: {req.turn_tokens} of its "
+                    f"{req.prompt_len} prompt tokens are an earlier prompt, kept by an "
+                    f"engine's prefix cache (adaptive: {decision.reason})")
 
 
 def _dp_only(req: Request) -> str:

@@ -19,7 +19,7 @@ import logging
 import time
 import uuid
 
-from flying.node import costs_reader, placement_log
+from flying.node import costs_reader, placement_log, turns
 from flying.node.config import get_config
 from flying.session.messages import Bind, Upgrade, read_mark
 from flying.substrate.layout import Group, group_containing, groups_of
@@ -125,8 +125,19 @@ def binds_for(controller, req) -> list[tuple[int, Bind]]:
 
     if is_health_check_generate_req(req):
         return []
+    found = None
     if _groups_open(controller):  # not the probe's and calibration's requests
         _note_arrival(controller, req)
+        if get_config().policy == "adaptive":
+            found = turns.look_up(controller, req)
+    binds = _binds(controller, req, issuer, marker, found)
+    turns.place(controller, req, found, bool(binds))
+    return binds
+
+
+def _binds(controller, req, issuer, marker, found) -> list[tuple[int, Bind]]:
+    """``binds_for``'s decision for a request Flying places (``found``: its
+    conversation lookup, None if not looked up)."""
     from flying.node.placement import dp_only_feature
 
     feature = dp_only_feature(req)
@@ -148,7 +159,8 @@ def binds_for(controller, req) -> list[tuple[int, Bind]]:
         if group is None:
             return []
     elif not degree and not feature and cfg.policy == "adaptive":
-        degree = _adaptive_degree(controller, req)  # the group's leader reports it
+        # the group's leader reports it
+        degree = _adaptive_degree(controller, req, found.tokens if found else 0)
         reason = "policy"
     return issuer.make_binds(req, degree, group, reason) if degree else []
 
@@ -250,7 +262,7 @@ def _groups_open(controller) -> bool:
     return controller._flying_gate.open()
 
 
-def _decide(controller, req, priority: int):
+def _decide(controller, req, priority: int, turn_tokens: int = 0):
     """The policy's decision for ``req`` from the engines' loads and measured step
     costs, appended to the decision log when one is configured."""
     from flying.node.placement import loads_of, request_of
@@ -260,7 +272,8 @@ def _decide(controller, req, priority: int):
     reader = _costs(controller)
     costs, switch = reader.read(), reader.switch()
     traffic = controller._flying_arrivals.traffic(time.monotonic())
-    request = request_of(len(req.input_ids or ()), req.sampling_params, priority, 0)
+    request = request_of(len(req.input_ids or ()), req.sampling_params, priority, 0,
+                         turn_tokens=turn_tokens)
     had_slo, was = policy.slo, policy.chooser.current if policy.chooser else None
     decision = policy.decide(request, loads, costs, traffic, switch)
     if policy.slo is not None and had_slo is None:
@@ -291,10 +304,10 @@ def _priority_pays(controller, req) -> bool:
     return False
 
 
-def _adaptive_degree(controller, req) -> int:
+def _adaptive_degree(controller, req, turn_tokens: int) -> int:
     if _policy(controller) is None or not _groups_open(controller):
         return 0
-    decision = _decide(controller, req, int(req.priority or 0))
+    decision = _decide(controller, req, int(req.priority or 0), turn_tokens)
     return decision.degree if decision.mode == "tp" else 0
 
 

@@ -116,7 +116,8 @@ def max_new_tokens(sampling_params) -> int | None:
 
 
 def request_of(
-    prompt_len: int, sampling_params, priority, explicit_degree: int, dp_only: str = ""
+    prompt_len: int, sampling_params, priority, explicit_degree: int, dp_only: str = "",
+    turn_tokens: int = 0,
 ) -> Request:
     """The policy's view of one request (the DP controller's: the HTTP process has
     already refused a bad SLO value with a 400; one that slips through counts as none)."""
@@ -132,6 +133,7 @@ def request_of(
         dp_only=dp_only,
         slo_ttft_ms=ttft,
         slo_tpot_ms=tpot,
+        turn_tokens=turn_tokens,
     )
 
 

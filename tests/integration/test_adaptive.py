@@ -172,3 +172,34 @@ def test_a_request_slo_only_a_group_meets_runs_in_the_group(
     bad = adaptive_server.post("/v1/completions", {"prompt": "hi", "max_tokens": 2},
                                headers={"X-Flying-SLO-TTFT-Ms": "-1"})
     assert bad.status_code == 400 and "x-flying-slo-ttft-ms" in bad.text, bad.text
+
+
+def test_a_conversation_s_turns_run_on_the_engine_that_holds_it(fast_group_server,
+                                                                 demo_model_dir):
+    """A chat sends each turn as the whole history plus a new message. Where the group
+    is faster, the first turn runs in it (nothing is cached anywhere); each later turn
+    runs in DP on one engine (``scheduler.conversations``), which from the third turn on
+    finds the whole previous turn in its prefix cache. A group's cache ends with its
+    session, and SGLang's round robin would send consecutive turns to different
+    engines: the previous turn would not be cached. Tokens equal transformers'."""
+    history = prompts(1, 300, seed=41)[0]
+    before = len(_decisions(fast_group_server))
+    placed, cached, previous = [], [], 0
+    for turn in range(4):
+        ids = history + prompts(1, 40, seed=50 + turn)[0]
+        body = fast_group_server.generate_ids(ids, 8)
+        assert body["output_ids"] == greedy_tokens(demo_model_dir, ids, 8)
+        placed.append(body["meta_info"]["flying"])
+        cached.append((body["meta_info"]["cached_tokens"], previous))
+        previous = len(ids) + 8 - 1  # the previous turn's prompt and answer, cached
+        history = ids + body["output_ids"]
+    assert placed[0]["mode"] == "tp", placed
+    assert [p["mode"] for p in placed[1:]] == ["dp"] * 3, placed
+    assert len({p["ranks"][0] for p in placed[1:]}) == 1, placed  # one engine
+    for got, prev in cached[2:]:
+        assert got >= prev, cached
+    lines = _decisions(fast_group_server)[before:]
+    reasons = [line["decision"]["reason"] for line in lines]
+    assert all("a conversation's turn" in r for r in reasons[1:]), reasons
+    assert all(line["request"]["turn_tokens"] >= 320 for line in lines[1:]), lines
+    assert replay.main([str(fast_group_server.decisions)]) == 0

@@ -1,0 +1,85 @@
+"""The DP controller's conversation index: which engine holds a conversation's history.
+
+The policy runs a conversation's turn in DP (``scheduler.policy``, rule 4, from
+``scheduler.conversations``); this module is its mechanism in the controller process:
+it keys each request's prompt (``look_up``, before the policy decides), and after the
+placement sends a turn that runs in DP to the engine holding its conversation (SGLang's
+own ``routed_dp_rank``, which its dispatch honours before its load balancing) and
+remembers where every prompt went (``place``). Only under the adaptive policy, only
+once the start-up probe has opened the groups, and never for a request that names its
+own engine (``routed_dp_rank`` from the client is a DP-only feature: the request never
+reaches here with it unset by Flying). Advice only: any failure leaves SGLang's dispatch.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from scheduler.conversations import ConversationIndex, Turn, affinity_rank, chain, is_turn
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Lookup:
+    keys: list[int]
+    turn: Turn | None
+
+    @property
+    def tokens(self) -> int:
+        return self.turn.tokens if self.turn is not None else 0
+
+
+def look_up(controller, req) -> Lookup | None:
+    """The prompt's keys and the earlier prompt it continues, if any; None where the
+    request has no token ids (embeddings) or the index fails (logged)."""
+    try:
+        ids = getattr(req, "input_ids", None)
+        if not ids:
+            return None
+        index = getattr(controller, "_flying_turns", None)
+        if index is None:
+            index = controller._flying_turns = ConversationIndex()
+        keys = chain(ids)
+        return Lookup(keys, index.turn_of(keys))
+    except Exception:  # noqa: BLE001 - advice: placement goes on without it
+        logger.exception("flying: conversation lookup failed for request %s",
+                         getattr(req, "rid", "?"))
+        return None
+
+
+def place(controller, req, found: Lookup | None, in_group: bool) -> None:
+    """After placement: a turn that runs in DP goes to its conversation's engine
+    (``affinity_rank`` over the engines SGLang may dispatch to now); every prompt is
+    remembered with its engine (-1: a group, or SGLang's own choice)."""
+    if found is None:
+        return
+    try:
+        rank = -1
+        if not in_group and getattr(req, "routed_dp_rank", None) is None and found.turn \
+                and is_turn(found.turn.tokens, len(req.input_ids)):
+            loads = _dispatchable_loads(controller)
+            if loads:
+                rank = affinity_rank(found.turn.rank, loads)
+                req.routed_dp_rank = rank
+                logger.debug("flying: request %s continues a conversation (%d tokens); "
+                             "engine %d", req.rid, found.turn.tokens, rank)
+        controller._flying_turns.remember(found.keys, rank)
+    except Exception:  # noqa: BLE001 - advice: SGLang's dispatch decides
+        logger.exception("flying: conversation placement failed for request %s",
+                         getattr(req, "rid", "?"))
+
+
+def _dispatchable_loads(controller) -> dict[int, int]:
+    """Rank -> running + waiting requests, of the engines SGLang's dispatch sends to now
+    (active, with a socket, not marked down); {} if unknown."""
+    from flying.node.placement import loads_of
+
+    active = set(getattr(controller, "_active_workers", ()))
+    status = getattr(controller, "status", None)
+    workers = getattr(controller, "workers", ())
+    ok = {r for r in active if r < len(workers) and workers[r] is not None
+          and (status is None or status[r])}
+    loads = loads_of(controller.load_snapshot_reader.read_all())
+    return {e.rank: e.requests for e in loads if e.rank in ok}

@@ -1,0 +1,130 @@
+"""Conversation turns: the index of placed prompts, the engine a turn goes to, and the
+adaptive policy's rule that a turn runs in DP (``scheduler.conversations``)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from scheduler.conversations import (
+    AFFINITY_SLACK,
+    BLOCK,
+    MIN_TURN_TOKENS,
+    ConversationIndex,
+    affinity_rank,
+    chain,
+    is_turn,
+)
+from scheduler.policy import (
+    Costs,
+    Decision,
+    EngineLoad,
+    Node,
+    Policy,
+    PolicyConfig,
+    Request,
+    SwitchCosts,
+    Traffic,
+)
+from scheduler.replay import record, replay
+
+pytestmark = pytest.mark.unit
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(5, 500) for _ in range(n)]
+
+
+def test_a_prompt_that_begins_with_an_earlier_prompt_is_its_turn():
+    index = ConversationIndex()
+    first = tokens(330, 1)  # 5 full blocks and 10 tokens
+    index.remember(chain(first), 1)
+    # the next turn: the whole first prompt, an answer, a new message
+    turn = index.turn_of(chain(first + tokens(180, 2)))
+    assert turn is not None and turn.rank == 1
+    assert turn.tokens == 5 * BLOCK  # matched to the earlier prompt's last full block
+    # the turn after it went to a group (-1) and continues the second prompt: the longest
+    second = first + tokens(180, 2)
+    index.remember(chain(second), -1)
+    third = index.turn_of(chain(second + tokens(100, 3)))
+    assert third is not None and third.rank == -1 and third.tokens == len(second) // BLOCK * BLOCK
+
+
+def test_sharing_a_system_prompt_or_part_of_a_prompt_is_no_turn():
+    index = ConversationIndex()
+    system = tokens(256, 0)
+    index.remember(chain(system + tokens(200, 1)), 0)
+    assert index.turn_of(chain(system + tokens(200, 2))) is None  # same system prompt only
+    assert index.turn_of(chain(system)) is None  # a prefix of an earlier prompt
+    assert index.turn_of(chain(tokens(BLOCK - 1, 3))) is None  # no full block
+    index.remember(chain(tokens(BLOCK - 1, 3)), 0)  # nothing to remember
+    assert len(index) == 1
+
+
+def test_the_index_keeps_the_latest_prompts():
+    index = ConversationIndex(capacity=2)
+    prompts = [tokens(128, s) for s in range(3)]
+    for p in prompts:
+        index.remember(chain(p), 0)
+    assert len(index) == 2
+    assert index.turn_of(chain(prompts[0] + [7])) is None  # dropped first
+    assert index.turn_of(chain(prompts[2] + [7])) is not None
+
+
+def test_a_turn_is_long_and_mostly_history():
+    assert is_turn(MIN_TURN_TOKENS, MIN_TURN_TOKENS + 100)
+    assert not is_turn(MIN_TURN_TOKENS - BLOCK, MIN_TURN_TOKENS)  # short history: a group redoes it cheaply
+    assert not is_turn(MIN_TURN_TOKENS, 2 * MIN_TURN_TOKENS + 1)  # under half the prompt
+
+
+def test_a_turn_stays_with_its_engine_unless_it_is_much_busier():
+    assert affinity_rank(1, {0: 0, 1: AFFINITY_SLACK}) == 1
+    assert affinity_rank(1, {0: 0, 1: AFFINITY_SLACK + 1}) == 0
+    assert affinity_rank(-1, {0: 3, 1: 2}) == 1  # no engine holds it: the least loaded
+    assert affinity_rank(2, {0: 1, 1: 1}) == 0  # its engine cannot take requests now
+
+
+NODE = Node(num_engines=2, degrees=(2,), engine_capacity=4000, engine_slots=4096)
+FAST = Costs({1: 10.0, 2: 7.0})  # a group that pays for latency
+IDLE = [EngineLoad(0, 0, 0), EngineLoad(1, 0, 0)]
+
+
+def test_the_adaptive_policy_runs_a_turn_in_dp_where_it_would_form_a_group():
+    p = Policy(PolicyConfig("adaptive").validate(), NODE)
+    assert p.decide(Request(600, 32), IDLE, FAST) == Decision("tp", 2, "light load")
+    d = p.decide(Request(600, 32, turn_tokens=512), IDLE, FAST)
+    assert d.mode == "dp" and "a conversation's turn: 512 of its 600" in d.reason
+    # too little history, or a turn the policy puts in DP anyway: unchanged
+    assert p.decide(Request(600, 32, turn_tokens=192), IDLE, FAST).mode == "tp"
+    assert p.decide(Request(600, 32, turn_tokens=512), IDLE, Costs({1: 10.0, 2: 12.0})).mode == "dp"
+
+
+@pytest.mark.parametrize("kw,mode", [
+    ({"priority": 1}, "tp"),  # asked for a group
+    ({"explicit_degree": 2}, "tp"),
+    ({"max_new_tokens": 5000}, "tp"),  # needs one
+])
+def test_a_turn_that_asks_for_or_needs_a_group_keeps_it(kw, mode):
+    p = Policy(PolicyConfig("adaptive").validate(), NODE)
+    req = Request(**{"prompt_len": 600, "max_new_tokens": 32, "turn_tokens": 512, **kw})
+    assert p.decide(req, IDLE, FAST).mode == mode
+
+
+def test_static_tp_keeps_every_turn_in_its_group():
+    p = Policy(PolicyConfig("static-tp").validate(), NODE)
+    assert p.decide(Request(600, 32, turn_tokens=512), IDLE, FAST).mode == "tp"
+
+
+def test_a_turn_under_the_goodput_rule_and_its_replay():
+    """The goodput layout's group (the decision log records the turn: replay agrees)."""
+    p = Policy(PolicyConfig("adaptive", slo_ttft_ms=5000.0, slo_tpot_ms=30.0).validate(), NODE)
+    traffic = Traffic(100.0, 0.2, 0.2, 600, 32, n_short=3, n_long=3)
+    lines = []
+    for req in (Request(600, 32), Request(600, 32, turn_tokens=576)):
+        d = p.decide(req, IDLE, FAST, traffic, SwitchCosts())
+        lines.append(record(req, IDLE, d, FAST, traffic, SwitchCosts()))
+        assert d.mode == ("dp" if req.turn_tokens else "tp"), d.reason
+    config = PolicyConfig("adaptive", slo_ttft_ms=5000.0, slo_tpot_ms=30.0)
+    assert replay(lines, config, NODE) == (2, [])
