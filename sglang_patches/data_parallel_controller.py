@@ -9,7 +9,9 @@
 - ``dispatching_with_trace`` (around): a request marked for TP (explicit header,
   priority, long context: decided in the HTTP process), or one the adaptive policy
   places in TP from the engines' load snapshots, becomes one Bind per group member,
-  sent in this process's single order; every other request is dispatched by SGLang.
+  sent in this process's single order; every other request is dispatched by SGLang,
+  and where its round robin chose the engine, Flying reads which one afterwards (the
+  conversation index: ``flying.node.turns``).
 
 Containment: the controller is one process for the whole node, so nothing Flying does
 here may raise into SGLang's event loop. Any exception while deciding or sending is
@@ -75,7 +77,10 @@ def dispatching_with_trace(original, controller, req, *args, **kwargs):
         flying_controller.strip_marker(req)
         binds = []
     if not binds:
-        return original(controller, req, *args, **kwargs)
+        mark = flying_controller.round_robin_mark(controller)
+        result = original(controller, req, *args, **kwargs)
+        flying_controller.dispatched(controller, req, mark)
+        return result
     if not _send(controller, binds):
         return original(controller, req, *args, **kwargs)
 

@@ -135,6 +135,19 @@ def binds_for(controller, req) -> list[tuple[int, Bind]]:
     return binds
 
 
+def round_robin_mark(controller) -> int | None:
+    """Before SGLang dispatches a request in DP (``turns.round_robin_mark``); never raises."""
+    try:
+        return turns.round_robin_mark(controller)
+    except Exception:  # noqa: BLE001 - advice only
+        return None
+
+
+def dispatched(controller, req, mark: int | None) -> None:
+    """After SGLang dispatched a request in DP: where it went, for the conversation index."""
+    turns.learn(controller, req, mark)
+
+
 def _binds(controller, req, issuer, marker, found) -> list[tuple[int, Bind]]:
     """``binds_for``'s decision for a request Flying places (``found``: its
     conversation lookup, None if not looked up)."""

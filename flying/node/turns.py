@@ -66,9 +66,38 @@ def place(controller, req, found: Lookup | None, in_group: bool) -> None:
                 logger.debug("flying: request %s continues a conversation (%d tokens); "
                              "engine %d", req.rid, found.turn.tokens, rank)
         controller._flying_turns.remember(found.keys, rank)
+        # a DP request left to SGLang's dispatch: ``learn`` finds its engine after it
+        controller._flying_unrouted = (req.rid, found.keys) if rank < 0 and not in_group \
+            else None
     except Exception:  # noqa: BLE001 - advice: SGLang's dispatch decides
         logger.exception("flying: conversation placement failed for request %s",
                          getattr(req, "rid", "?"))
+
+
+def round_robin_mark(controller) -> int | None:
+    """SGLang's round-robin counter before it dispatches a request (None: another
+    load-balance method, whose choice is not read back)."""
+    method = getattr(controller, "load_balance_method", None)
+    if getattr(method, "name", "") != "ROUND_ROBIN":
+        return None
+    return getattr(controller, "round_robin_counter", None)
+
+
+def learn(controller, req, mark: int | None) -> None:
+    """After SGLang's round robin dispatched a request ``place`` left to it: remember the
+    engine it chose (the last slot its counter passed: ``active[(counter - 1) % n]``),
+    so that the conversation's next turn goes there and finds this one cached."""
+    unrouted = getattr(controller, "_flying_unrouted", None)
+    controller._flying_unrouted = None
+    if mark is None or unrouted is None or unrouted[0] != getattr(req, "rid", None):
+        return
+    try:
+        active = list(controller._active_workers)
+        after = controller.round_robin_counter
+        if after != mark and active and getattr(req, "routed_dp_rank", None) is None:
+            controller._flying_turns.remember(unrouted[1], active[(after - 1) % len(active)])
+    except Exception:  # noqa: BLE001 - advice only
+        logger.exception("flying: could not read where request %s went", req.rid)
 
 
 def _dispatchable_loads(controller) -> dict[int, int]:

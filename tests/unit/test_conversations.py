@@ -128,3 +128,46 @@ def test_a_turn_under_the_goodput_rule_and_its_replay():
         assert d.mode == ("dp" if req.turn_tokens else "tp"), d.reason
     config = PolicyConfig("adaptive", slo_ttft_ms=5000.0, slo_tpot_ms=30.0)
     assert replay(lines, config, NODE) == (2, [])
+
+
+def _controller(counter: int = 0):
+    from types import SimpleNamespace
+
+    snaps = [SimpleNamespace(dp_rank=r, num_running_reqs=0, num_waiting_reqs=0) for r in (0, 1)]
+    return SimpleNamespace(
+        _active_workers=[0, 1], status=[True, True], workers=[object(), object()],
+        load_snapshot_reader=SimpleNamespace(read_all=lambda: snaps),
+        load_balance_method=SimpleNamespace(name="ROUND_ROBIN"), round_robin_counter=counter,
+    )
+
+
+def test_the_controller_learns_where_round_robin_sent_a_prompt_and_routes_its_next_turn():
+    """``flying.node.turns``: a first prompt left to SGLang's round robin (which sent it
+    to engine 1) is remembered there, and its next turn is routed to engine 1 although
+    engine 0 is as idle (the least loaded rule alone would pick 0)."""
+    from types import SimpleNamespace
+
+    from flying.node import turns
+
+    controller = _controller(counter=1)
+    first = SimpleNamespace(rid="a", input_ids=tokens(400, 5), routed_dp_rank=None)
+    found = turns.look_up(controller, first)
+    assert found is not None and found.turn is None
+    turns.place(controller, first, found, in_group=False)
+    mark = turns.round_robin_mark(controller)
+    controller.round_robin_counter = 2  # SGLang's round robin took active[1]
+    turns.learn(controller, first, mark)
+
+    second = SimpleNamespace(rid="b", input_ids=first.input_ids + tokens(100, 6),
+                             routed_dp_rank=None)
+    found = turns.look_up(controller, second)
+    assert found is not None and found.turn is not None and found.turn.rank == 1
+    turns.place(controller, second, found, in_group=False)
+    assert second.routed_dp_rank == 1
+    # a turn placed in a group is not routed, and is remembered as no engine's
+    third = SimpleNamespace(rid="c", input_ids=second.input_ids + tokens(80, 7),
+                            routed_dp_rank=None)
+    found = turns.look_up(controller, third)
+    turns.place(controller, third, found, in_group=True)
+    assert third.routed_dp_rank is None
+    assert controller._flying_turns.turn_of(found.keys + [0]).rank == -1
