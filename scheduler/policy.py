@@ -164,6 +164,9 @@ class Decision:
     mode: str  # "dp" | "tp" | "reject"
     degree: int = 1
     reason: str = ""
+    #: a conversation's turn the adaptive policy runs in DP instead of a group
+    #: (``_as_turn``): the controller sends it to the engine holding its conversation
+    turn: bool = False
 
 
 @dataclass
@@ -365,7 +368,7 @@ def _as_turn(req: Request, decision: Decision) -> Decision:
         return decision
     return Decision("dp", 1, f"a conversation's turn: {req.turn_tokens} of its "
                     f"{req.prompt_len} prompt tokens are an earlier prompt, kept by an "
-                    f"engine's prefix cache (adaptive: {decision.reason})")
+                    f"engine's prefix cache (adaptive: {decision.reason})", turn=True)
 
 
 def _dp_only(req: Request) -> str:

@@ -130,8 +130,8 @@ def binds_for(controller, req) -> list[tuple[int, Bind]]:
         _note_arrival(controller, req)
         if get_config().policy == "adaptive":
             found = turns.look_up(controller, req)
-    binds = _binds(controller, req, issuer, marker, found)
-    turns.place(controller, req, found, bool(binds))
+    binds, turn = _binds(controller, req, issuer, marker, found)
+    turns.place(controller, req, found, bool(binds), turn)
     return binds
 
 
@@ -148,9 +148,10 @@ def dispatched(controller, req, mark: int | None) -> None:
     turns.learn(controller, req, mark)
 
 
-def _binds(controller, req, issuer, marker, found) -> list[tuple[int, Bind]]:
+def _binds(controller, req, issuer, marker, found) -> tuple[list[tuple[int, Bind]], bool]:
     """``binds_for``'s decision for a request Flying places (``found``: its
-    conversation lookup, None if not looked up)."""
+    conversation lookup, None if not looked up), and whether the adaptive policy ran it
+    in DP as a conversation's turn (``Decision.turn``)."""
     from flying.node.placement import dp_only_feature
 
     feature = dp_only_feature(req)
@@ -158,24 +159,27 @@ def _binds(controller, req, issuer, marker, found) -> list[tuple[int, Bind]]:
     if degree and feature:  # the HTTP process refuses or demotes these; never bind one
         logger.warning("flying: request %s marked TP-%d but %s runs in DP; dispatching in DP",
                        req.rid, degree, feature)
-        return []
+        return [], False
     if degree and degree not in issuer.degrees:
         logger.warning("flying: request %s marked TP-%d, not a degree of this node (%s); "
                        "dispatching in DP", req.rid, degree, issuer.degrees)
-        return []
+        return [], False
     cfg = get_config()
     reason = marker.reason or "explicit"
     if degree and marker.reason == "priority" and not _priority_pays(controller, req):
-        return []
+        return [], False
     if degree and marker.reason == "priority" and cfg.priority_max_paused >= 0:
         group = _priority_group(controller, req, degree, cfg.priority_max_paused)
         if group is None:
-            return []
+            return [], False
     elif not degree and not feature and cfg.policy == "adaptive":
         # the group's leader reports it
-        degree = _adaptive_degree(controller, req, found.tokens if found else 0)
+        decision = _adaptive(controller, req, found.tokens if found else 0)
+        if decision is not None and decision.turn:
+            return [], True
+        degree = decision.degree if decision is not None and decision.mode == "tp" else 0
         reason = "policy"
-    return issuer.make_binds(req, degree, group, reason) if degree else []
+    return (issuer.make_binds(req, degree, group, reason) if degree else []), False
 
 
 def upgrade_binds_for(controller, ask: Upgrade) -> list[tuple[int, Bind]]:
@@ -317,11 +321,12 @@ def _priority_pays(controller, req) -> bool:
     return False
 
 
-def _adaptive_degree(controller, req, turn_tokens: int) -> int:
+def _adaptive(controller, req, turn_tokens: int):
+    """The adaptive policy's decision for ``req``; None before the start-up probe
+    opens the groups (SGLang's dispatch then places it)."""
     if _policy(controller) is None or not _groups_open(controller):
-        return 0
-    decision = _decide(controller, req, int(req.priority or 0), turn_tokens)
-    return decision.degree if decision.mode == "tp" else 0
+        return None
+    return _decide(controller, req, int(req.priority or 0), turn_tokens)
 
 
 def _costs(controller) -> costs_reader.CostsReader:

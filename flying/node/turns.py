@@ -1,11 +1,13 @@
 """The DP controller's conversation index: which engine holds a conversation's history.
 
-The policy runs a conversation's turn in DP (``scheduler.policy``, rule 4, from
-``scheduler.conversations``); this module is its mechanism in the controller process:
-it keys each request's prompt (``look_up``, before the policy decides), and after the
-placement sends a turn that runs in DP to the engine holding its conversation (SGLang's
-own ``routed_dp_rank``, which its dispatch honours before its load balancing) and
-remembers where every prompt went (``place``). Only under the adaptive policy, only
+The policy runs a conversation's turn in DP where it would have put it in a group
+(``scheduler.policy``, rule 4, from ``scheduler.conversations``); this module is its
+mechanism in the controller process: it keys each request's prompt (``look_up``, before
+the policy decides), and after the placement sends such a turn to the engine holding its
+conversation (SGLang's own ``routed_dp_rank``, which its dispatch honours before its load
+balancing) and remembers where every prompt went (``place``; ``learn`` reads where
+SGLang's round robin sent the others). A turn the layout runs in DP anyway is SGLang's
+to dispatch, as with groups off. Only under the adaptive policy, only
 once the start-up probe has opened the groups, and never for a request that names its
 own engine (``routed_dp_rank`` from the client is a DP-only feature: the request never
 reaches here with it unset by Flying). Advice only: any failure leaves SGLang's dispatch.
@@ -49,16 +51,18 @@ def look_up(controller, req) -> Lookup | None:
         return None
 
 
-def place(controller, req, found: Lookup | None, in_group: bool) -> None:
-    """After placement: a turn that runs in DP goes to its conversation's engine
-    (``affinity_rank`` over the engines SGLang may dispatch to now); every prompt is
-    remembered with its engine (-1: a group, or SGLang's own choice)."""
+def place(controller, req, found: Lookup | None, in_group: bool, turn: bool) -> None:
+    """After placement: a turn the policy ran in DP instead of a group (``turn``) goes
+    to its conversation's engine (``affinity_rank`` over the engines SGLang may dispatch
+    to now); every other DP request is SGLang's to dispatch, as with groups off. Every
+    prompt is remembered with its engine (-1: a group, or SGLang's choice until
+    ``learn`` reads it)."""
     if found is None:
         return
     try:
         rank = -1
-        if not in_group and getattr(req, "routed_dp_rank", None) is None and found.turn \
-                and is_turn(found.turn.tokens, len(req.input_ids)):
+        if turn and not in_group and getattr(req, "routed_dp_rank", None) is None \
+                and found.turn and is_turn(found.turn.tokens, len(req.input_ids)):
             loads = _dispatchable_loads(controller)
             if loads:
                 rank = affinity_rank(found.turn.rank, loads)

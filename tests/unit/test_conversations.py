@@ -95,7 +95,7 @@ def test_the_adaptive_policy_runs_a_turn_in_dp_where_it_would_form_a_group():
     p = Policy(PolicyConfig("adaptive").validate(), NODE)
     assert p.decide(Request(600, 32), IDLE, FAST) == Decision("tp", 2, "light load")
     d = p.decide(Request(600, 32, turn_tokens=512), IDLE, FAST)
-    assert d.mode == "dp" and "a conversation's turn: 512 of its 600" in d.reason
+    assert d.mode == "dp" and d.turn and "a conversation's turn: 512 of its 600" in d.reason
     # too little history, or a turn the policy puts in DP anyway: unchanged
     assert p.decide(Request(600, 32, turn_tokens=192), IDLE, FAST).mode == "tp"
     assert p.decide(Request(600, 32, turn_tokens=512), IDLE, Costs({1: 10.0, 2: 12.0})).mode == "dp"
@@ -143,8 +143,10 @@ def _controller(counter: int = 0):
 
 def test_the_controller_learns_where_round_robin_sent_a_prompt_and_routes_its_next_turn():
     """``flying.node.turns``: a first prompt left to SGLang's round robin (which sent it
-    to engine 1) is remembered there, and its next turn is routed to engine 1 although
-    engine 0 is as idle (the least loaded rule alone would pick 0)."""
+    to engine 1) is remembered there, and its next turn, which the policy ran in DP
+    instead of a group, is routed to engine 1 although engine 0 is as idle (the least
+    loaded rule alone would pick 0); a turn the layout ran in DP anyway is left to
+    SGLang's dispatch."""
     from types import SimpleNamespace
 
     from flying.node import turns
@@ -153,7 +155,7 @@ def test_the_controller_learns_where_round_robin_sent_a_prompt_and_routes_its_ne
     first = SimpleNamespace(rid="a", input_ids=tokens(400, 5), routed_dp_rank=None)
     found = turns.look_up(controller, first)
     assert found is not None and found.turn is None
-    turns.place(controller, first, found, in_group=False)
+    turns.place(controller, first, found, in_group=False, turn=False)
     mark = turns.round_robin_mark(controller)
     controller.round_robin_counter = 2  # SGLang's round robin took active[1]
     turns.learn(controller, first, mark)
@@ -162,12 +164,14 @@ def test_the_controller_learns_where_round_robin_sent_a_prompt_and_routes_its_ne
                              routed_dp_rank=None)
     found = turns.look_up(controller, second)
     assert found is not None and found.turn is not None and found.turn.rank == 1
-    turns.place(controller, second, found, in_group=False)
+    turns.place(controller, second, found, in_group=False, turn=False)
+    assert second.routed_dp_rank is None  # the layout ran it in DP anyway: SGLang's
+    turns.place(controller, second, found, in_group=False, turn=True)
     assert second.routed_dp_rank == 1
     # a turn placed in a group is not routed, and is remembered as no engine's
     third = SimpleNamespace(rid="c", input_ids=second.input_ids + tokens(80, 7),
                             routed_dp_rank=None)
     found = turns.look_up(controller, third)
-    turns.place(controller, third, found, in_group=True)
+    turns.place(controller, third, found, in_group=True, turn=False)
     assert third.routed_dp_rank is None
     assert controller._flying_turns.turn_of(found.keys + [0]).rank == -1
