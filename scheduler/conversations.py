@@ -10,7 +10,7 @@ finds only the turn before last cached). Measured on the hidden-1024 model, one
 conversation at a time, turns of 472-1384 tokens (``workloads.chat_turns``,
 docs/BENCHMARKS.md): the adaptive node (TP-2 at light load) found none cached, the third
 turn on at TTFT p50 1.40x groups off (which found 73 % of their prompts cached); with
-this rule 88 % cached, 0.68x.
+this rule 88 % cached, 0.66x.
 
 So the controller keeps a small index of the prompts it placed and where, and the policy
 sends a turn to DP, to the engine that holds its conversation (``affinity_rank``).
