@@ -791,7 +791,8 @@ def test_the_controller_logs_upgrade_asks_and_starts_its_log_before_any_bind(cfg
     lines = [json.loads(x) for x in log.read_text().splitlines()]
     assert [x.get("kind") for x in lines] == [None, "move", "upgrade"]
     assert lines[2]["holder"] == 1 and lines[2]["rid"] == "long-1"
-    assert lines[2]["decision"] == {"mode": "tp", "degree": 2, "reason": "long context"}
+    assert lines[2]["decision"] == {"mode": "tp", "degree": 2, "reason": "long context",
+                                     "turn": False}
     assert replay.main([str(log)]) == 0
     assert replay.main([str(log), "--config", '{"policy": "manual"}']) == 1
 
