@@ -22,17 +22,20 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import shlex
 import statistics
 import time
 from collections.abc import Sequence
 from datetime import datetime
-from pathlib import Path
 
 import requests
 
-from workloads.comparisons.vs_groups_off import DEFAULT_SERVER_ARGS, SYSTEMS
-from workloads.measure.server import Server, start_server
+from workloads.comparisons.vs_groups_off import (
+    DEFAULT_SERVER_ARGS,
+    SYSTEMS,
+    prepare,
+    start_systems,
+)
+from workloads.measure.server import Server
 
 
 def log(message: str) -> None:
@@ -123,21 +126,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
-    if not args.model_path:
-        from flying.node.demo_model import ensure_demo_model
-
-        args.model_path = str(ensure_demo_model())
-    out = Path(args.out or f"results/chat-turns-{datetime.now():%Y%m%d-%H%M%S}")
-    out.mkdir(parents=True, exist_ok=True)
+    out = prepare(args, "chat-turns")
     servers: dict[str, Server] = {}
     rows: dict[str, list[dict]] = {name: [] for name in SYSTEMS}
     try:
-        for name, extra in SYSTEMS.items():
-            server_args = ["--model-path", args.model_path, *shlex.split(args.server_args),
-                           *extra, *(shlex.split(args.flying_args) if name == "flying" else [])]
-            log(f"starting {name}: python -m flying.launch {shlex.join(server_args)}")
-            servers[name], ready_s = start_server(server_args, out / f"{name}.server.log", retries=1)
-            log(f"{name} ready in {ready_s:.0f} s at {servers[name].url}")
+        start_systems(args.model_path, args.server_args, out, {"flying": args.flying_args},
+                      servers, say=log)
         for c in range(args.conversations):
             order = list(SYSTEMS) if c % 2 == 0 else list(reversed(SYSTEMS))
             for name in order:

@@ -65,6 +65,31 @@ def log(message: str) -> None:
     print(f"[vs_groups_off {datetime.now():%H:%M:%S}] {message}", flush=True)
 
 
+def prepare(args: argparse.Namespace, tool: str) -> Path:
+    """Fill in the demo model where no ``--model-path`` was given; the run's output
+    directory (``--out``, default ``results/<tool>-<time>``), created."""
+    if not args.model_path:
+        from flying.node.demo_model import ensure_demo_model
+
+        args.model_path = str(ensure_demo_model())
+    out = Path(args.out or f"results/{tool}-{datetime.now():%Y%m%d-%H%M%S}")
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def start_systems(model_path: str, server_args: str, out: Path, own: dict[str, str],
+                  servers: dict[str, Server], say=log) -> None:
+    """Start every system of ``SYSTEMS`` on ``model_path`` into ``servers`` (the caller
+    stops them, also those started before a failure): ``server_args`` for both, ``own``
+    per system (name -> extra flags)."""
+    for name, extra in SYSTEMS.items():
+        args = ["--model-path", model_path, *shlex.split(server_args), *extra,
+                *shlex.split(own.get(name, ""))]
+        say(f"starting {name}: python -m flying.launch {shlex.join(args)}")
+        servers[name], ready_s = start_server(args, out / f"{name}.server.log", retries=1)
+        say(f"{name} ready in {ready_s:.0f} s at {servers[name].url}")
+
+
 def bench_command(url: str, args: argparse.Namespace, seed: int, out: Path) -> list[str]:
     """SGLang's serving benchmark as a new user would run it (random ids, Poisson)."""
     host, port = url.removeprefix("http://").rsplit(":", 1)
@@ -121,22 +146,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
-    if not args.model_path:
-        from flying.node.demo_model import ensure_demo_model
-
-        args.model_path = str(ensure_demo_model())
-    out = Path(args.out or f"results/vs-groups-off-{datetime.now():%Y%m%d-%H%M%S}")
-    out.mkdir(parents=True, exist_ok=True)
+    out = prepare(args, "vs-groups-off")
     servers: dict[str, Server] = {}
     results: dict[str, list[dict[str, Any]]] = {name: [] for name in SYSTEMS}
     try:
-        for name, extra in SYSTEMS.items():
-            server_args = ["--model-path", args.model_path, *shlex.split(args.server_args), *extra]
-            own = args.off_args if name == "groups-off" else args.flying_args
-            server_args += shlex.split(own)
-            log(f"starting {name}: python -m flying.launch {shlex.join(server_args)}")
-            servers[name], ready_s = start_server(server_args, out / f"{name}.server.log", retries=1)
-            log(f"{name} ready in {ready_s:.0f} s at {servers[name].url}")
+        start_systems(args.model_path, args.server_args, out,
+                      {"flying": args.flying_args, "groups-off": args.off_args}, servers)
         for rnd in range(args.rounds):
             order = list(SYSTEMS) if rnd % 2 == 0 else list(reversed(SYSTEMS))
             for name in order:
