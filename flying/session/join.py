@@ -92,14 +92,10 @@ class Joining:
         return (self.reqs, self.lens) if self.source else ([], [])
 
 
-def eligible(req, seq_len: int, routed: bool = False) -> bool:
+def eligible(req, seq_len: int) -> bool:
     """A running DP request that can continue in a group now: decoding, its KV what its
-    tokens so far need (``seq_len``: no step of it in flight), nothing DP-only, and not
-    routed to this engine (``routed_dp_rank``: by its client, or by the controller, a
-    conversation's turn kept where its history is cached, ``flying.node.turns``), unless
-    ``routed`` (a long-context upgrade: one that outgrows its engine still may)."""
-    return joinable(req) and req.kv.kv_allocated_len == seq_len \
-        and (routed or getattr(req, "routed_dp_rank", None) is None)
+    tokens so far need (``seq_len``: no step of it in flight), nothing DP-only."""
+    return joinable(req) and req.kv.kv_allocated_len == seq_len
 
 
 def joinable(req) -> bool:

@@ -181,7 +181,7 @@ def _running(scheduler, rid: str):
     """The running DP request ``rid`` if it can join a group now, else None."""
     for req in scheduler.running_batch.reqs:
         if req.rid == rid:
-            return req if join.eligible(req, move.kv_len(req), routed=True) else None
+            return req if join.eligible(req, move.kv_len(req)) else None
     return None
 
 
