@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from scheduler.conversations import ConversationIndex, Turn, affinity_rank, chain, is_turn
+from scheduler.conversations import ConversationIndex, Turn, affinity_rank, chain
 
 logger = logging.getLogger(__name__)
 
@@ -61,8 +61,9 @@ def place(controller, req, found: Lookup | None, in_group: bool, turn: bool) -> 
         return
     try:
         rank = -1
-        if turn and not in_group and getattr(req, "routed_dp_rank", None) is None \
-                and found.turn and is_turn(found.turn.tokens, len(req.input_ids)):
+        # ``turn``: the policy found ``found.turn`` long enough (``is_turn``)
+        if turn and not in_group and found.turn is not None \
+                and getattr(req, "routed_dp_rank", None) is None:
             loads = _dispatchable_loads(controller)
             if loads:
                 rank = affinity_rank(found.turn.rank, loads)
