@@ -21,7 +21,15 @@ hash collisions, which only misplace a request: placement never changes its toke
 For each placed prompt the key of its last full block is kept with the engine it went
 to (-1: not one engine: a group, or SGLang's own dispatch), the latest ``CAPACITY``
 prompts (LRU). A turn is the deepest key of a new prompt that is some earlier prompt's
-last one. Pure: no torch, no sockets; O(prompt) per request (a hash per 64 tokens).
+last one.
+
+A conversation's first turn looks like any other prompt; what tells chat traffic is how
+often a prompt is continued: the index counts, over the latest first prompts long enough
+to be continued as a turn, the share that a later turn did (``continued_share``). Where
+that is at least ``CHAT_SHARE``, the policy keeps first prompts out of groups too, so the
+second turn finds the first cached on an engine.
+
+Pure: no torch, no sockets; O(prompt) per request (a hash per 64 tokens).
 """
 
 from __future__ import annotations
@@ -43,6 +51,14 @@ MIN_TURN_TOKENS = 256
 #: many requests (running + waiting) more than the least loaded engine; beyond, the turn
 #: goes to the least loaded one (and its conversation with it).
 AFFINITY_SLACK = 4
+#: Continuations are counted over this many latest first prompts (``continued_share``).
+FIRSTS = 32
+#: At or above this share of recent first prompts continued by a later turn, the
+#: adaptive policy runs a first prompt in DP too (``scheduler.policy``): a first turn in
+#: a group saves at most half its prefill, and its next turn, finding nothing cached,
+#: pays all of it again; so a group pays for a prompt only while it is continued less
+#: than half the time.
+CHAT_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -82,6 +98,8 @@ class ConversationIndex:
     def __init__(self, capacity: int = CAPACITY):
         self.capacity = capacity
         self._ends: OrderedDict[int, int] = OrderedDict()
+        #: the latest first prompts (last key -> whether a later turn continued it)
+        self._firsts: OrderedDict[int, bool] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._ends)
@@ -94,6 +112,27 @@ class ConversationIndex:
             if rank is not None:
                 return Turn(depth * BLOCK, rank)
         return None
+
+    def count(self, keys: Sequence[int], turn: Turn | None, prompt_len: int) -> None:
+        """Count a new prompt (``keys``, ``turn``: its ``turn_of``) for
+        ``continued_share``: a turn marks the prompt it continues; a first prompt long
+        enough to be continued as a turn (``MIN_TURN_TOKENS``) joins the latest firsts."""
+        if turn is not None and is_turn(turn.tokens, prompt_len):
+            earlier = keys[turn.tokens // BLOCK - 1]
+            if earlier in self._firsts:
+                self._firsts[earlier] = True
+        elif len(keys) * BLOCK >= MIN_TURN_TOKENS and keys[-1] not in self._firsts:
+            self._firsts[keys[-1]] = False
+            while len(self._firsts) > FIRSTS:
+                self._firsts.popitem(last=False)
+
+    def continued_share(self) -> float:
+        """The share of the latest ``FIRSTS`` first prompts that a later turn continued
+        (0.0 before any: a first prompt just placed is not continued yet, so the share
+        lags a conversation's first turns by one think time)."""
+        if not self._firsts:
+            return 0.0
+        return sum(self._firsts.values()) / len(self._firsts)
 
     def remember(self, keys: Sequence[int], rank: int) -> None:
         """The prompt of ``keys`` went to engine ``rank`` (-1: not one engine)."""

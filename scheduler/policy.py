@@ -24,7 +24,8 @@ Order of rules for one request:
    passes the engines' loads and step costs gets a TP answer (without them it is DP:
    a group that has not been shown to pay is never chosen for latency); and under
    adaptive, a conversation's turn (``Request.turn_tokens``) runs in DP, where an
-   engine keeps its history cached (``scheduler.conversations``).
+   engine keeps its history cached, and under chat traffic so does a first prompt
+   (``Traffic.continued``: its next turn finds it cached; ``scheduler.conversations``).
 A DP-only request never gets a group from rules 3 and 4: it runs in DP, and the
 decision's reason names the feature. Rule 2 also applies mid-request: a running DP
 request without a bound of its own that outgrows its engine joins a group
@@ -42,7 +43,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from scheduler.conversations import is_turn
+from scheduler.conversations import CHAT_SHARE, MIN_TURN_TOKENS, is_turn
 from scheduler.costs import Costs
 from scheduler.layout_choice import Choice, LayoutChooser, SwitchCosts
 from scheduler.relayout import serving_other
@@ -258,7 +259,8 @@ class Policy:
         if policy == "static-tp" and largest > 1:
             return Decision("tp", largest, "static-tp")
         if policy == "adaptive" and largest > 1 and loads is not None and traffic is not None:
-            return _as_turn(req, self._by_goodput(loads, costs, traffic, switch or SwitchCosts()))
+            return _as_turn(req, self._by_goodput(loads, costs, traffic, switch or SwitchCosts()),
+                            traffic)
         if policy == "adaptive" and largest > 1 and loads is not None:
             # Without loads (the HTTP process) the load rule is left to the caller that
             # sees them (the DP controller): the answer is DP, i.e. "no TP mark".
@@ -357,18 +359,33 @@ class Policy:
         )
 
 
-def _as_turn(req: Request, decision: Decision) -> Decision:
-    """``decision`` (the adaptive policy's own), or DP for a conversation's turn that it
-    would put in a group: an engine keeps the earlier turns in its prefix cache, where a
-    group's cache ends with its session and the group would prefill the whole history
-    again (``scheduler.conversations``; the controller sends the turn to the engine
-    that holds its conversation). Rule 4 only: a request that asked for a group (header,
-    priority, its own SLOs) or needs one (length) keeps it."""
-    if decision.mode != "tp" or not is_turn(req.turn_tokens, req.prompt_len):
+def _as_turn(req: Request, decision: Decision, traffic: Traffic | None = None) -> Decision:
+    """``decision`` (the adaptive policy's own), or DP for a request it would put in a
+    group that a cache on an engine serves better (``scheduler.conversations``):
+
+    - a conversation's turn: an engine keeps the earlier turns in its prefix cache,
+      where a group's cache ends with its session and the group would prefill the whole
+      history again (the controller sends the turn to the engine holding its
+      conversation: ``Decision.turn``);
+    - under chat traffic (``traffic.continued`` >= ``CHAT_SHARE``), a first prompt long
+      enough to be continued: in a group it saves at most half its prefill, and its next
+      turn, finding it cached nowhere, pays all of it again (SGLang's dispatch places it,
+      and the controller learns where).
+
+    Rule 4 only: a request that asked for a group (header, priority, its own SLOs) or
+    needs one (length) keeps it."""
+    if decision.mode != "tp":
         return decision
-    return Decision("dp", 1, f"a conversation's turn: {req.turn_tokens} of its "
-                    f"{req.prompt_len} prompt tokens are an earlier prompt, kept by an "
-                    f"engine's prefix cache (adaptive: {decision.reason})", turn=True)
+    if is_turn(req.turn_tokens, req.prompt_len):
+        return Decision("dp", 1, f"a conversation's turn: {req.turn_tokens} of its "
+                        f"{req.prompt_len} prompt tokens are an earlier prompt, kept by an "
+                        f"engine's prefix cache (adaptive: {decision.reason})", turn=True)
+    if traffic is not None and traffic.continued >= CHAT_SHARE \
+            and req.prompt_len >= MIN_TURN_TOKENS:
+        return Decision("dp", 1, f"chat traffic: a later turn continued "
+                        f"{traffic.continued:.0%} of the recent first prompts; this one runs "
+                        f"where its next turn finds it cached (adaptive: {decision.reason})")
+    return decision
 
 
 def _dp_only(req: Request) -> str:

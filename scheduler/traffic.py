@@ -52,6 +52,10 @@ class Traffic:
     #: where that is longer, or a longer window of ``WINDOWS_S`` that shows a change
     #: (``Arrivals``)
     window_s: float = SHORT_S
+    #: the share of the latest first prompts that a later turn continued (chat
+    #: traffic: ``scheduler.conversations.ConversationIndex.continued_share``); set by
+    #: the controller that keeps the index, 0.0 where none is kept
+    continued: float = 0.0
 
     @property
     def short(self) -> bool:

@@ -18,6 +18,7 @@ import itertools
 import logging
 import time
 import uuid
+from dataclasses import replace
 
 from flying.node import costs_reader, placement_log, turns
 from flying.node.config import get_config
@@ -288,7 +289,8 @@ def _decide(controller, req, priority: int, turn_tokens: int = 0):
     loads = loads_of(controller.load_snapshot_reader.read_all())
     reader = _costs(controller)
     costs, switch = reader.read(), reader.switch()
-    traffic = controller._flying_arrivals.traffic(time.monotonic())
+    traffic = replace(controller._flying_arrivals.traffic(time.monotonic()),
+                      continued=turns.continued_share(controller))
     request = request_of(len(req.input_ids or ()), req.sampling_params, priority, 0,
                          turn_tokens=turn_tokens)
     had_slo, was = policy.slo, policy.chooser.current if policy.chooser else None

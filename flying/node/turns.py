@@ -44,7 +44,9 @@ def look_up(controller, req) -> Lookup | None:
         if index is None:
             index = controller._flying_turns = ConversationIndex()
         keys = chain(ids)
-        return Lookup(keys, index.turn_of(keys))
+        turn = index.turn_of(keys)
+        index.count(keys, turn, len(ids))
+        return Lookup(keys, turn)
     except Exception:  # noqa: BLE001 - advice: placement goes on without it
         logger.exception("flying: conversation lookup failed for request %s",
                          getattr(req, "rid", "?"))
@@ -62,7 +64,10 @@ def place(controller, req, found: Lookup | None, in_group: bool, turn: bool) -> 
     try:
         rank = -1
         # ``turn``: the policy found ``found.turn`` long enough (``is_turn``)
-        if turn and not in_group and found.turn is not None \
+        # a turn whose history no engine holds (it ran in a group) is SGLang's to
+        # place: the loads read here lag the requests just sent, so "least loaded"
+        # would send turns arriving together to one engine
+        if turn and not in_group and found.turn is not None and found.turn.rank >= 0 \
                 and getattr(req, "routed_dp_rank", None) is None:
             loads = _dispatchable_loads(controller)
             if loads:
@@ -103,6 +108,12 @@ def learn(controller, req, mark: int | None) -> None:
             controller._flying_turns.remember(unrouted[1], active[(after - 1) % len(active)])
     except Exception:  # noqa: BLE001 - advice only
         logger.exception("flying: could not read where request %s went", req.rid)
+
+
+def continued_share(controller) -> float:
+    """``ConversationIndex.continued_share`` of the controller's index (0.0 without one)."""
+    index = getattr(controller, "_flying_turns", None)
+    return index.continued_share() if index is not None else 0.0
 
 
 def _dispatchable_loads(controller) -> dict[int, int]:

@@ -10,6 +10,8 @@ import pytest
 from scheduler.conversations import (
     AFFINITY_SLACK,
     BLOCK,
+    CHAT_SHARE,
+    FIRSTS,
     MIN_TURN_TOKENS,
     ConversationIndex,
     affinity_rank,
@@ -73,6 +75,34 @@ def test_the_index_keeps_the_latest_prompts():
     assert index.turn_of(chain(prompts[2] + [7])) is not None
 
 
+def test_the_index_counts_how_often_a_first_prompt_is_continued():
+    """``continued_share``: over the latest long-enough first prompts, the share that a
+    later turn continued; short prompts (never a turn's history) and turns themselves
+    are not first prompts; a prompt continued twice counts once."""
+    index = ConversationIndex()
+    assert index.continued_share() == 0.0
+
+    def send(ids):
+        keys = chain(ids)
+        index.count(keys, index.turn_of(keys), len(ids))
+        index.remember(keys, 0)
+
+    firsts = [tokens(300, 20 + i) for i in range(4)]
+    for ids in firsts:
+        send(ids)
+    send(tokens(MIN_TURN_TOKENS - BLOCK, 40))  # too short to be continued: not counted
+    assert index.continued_share() == 0.0
+    send(firsts[0] + tokens(120, 50))  # a turn of the first two
+    send(firsts[1] + tokens(120, 51))
+    send(firsts[1] + tokens(120, 51) + tokens(120, 52))  # the second's third turn
+    assert index.continued_share() == 2 / 4
+    send(firsts[2] + tokens(BLOCK, 53) * 4)  # 256 of 556 tokens history: no turn (< half)
+    assert index.continued_share() == 2 / 5  # ... but a first prompt itself
+    for i in range(FIRSTS):  # document traffic pushes the conversations out
+        send(tokens(300, 100 + i))
+    assert index.continued_share() == 0.0
+
+
 def test_a_turn_is_long_and_mostly_history():
     assert is_turn(MIN_TURN_TOKENS, MIN_TURN_TOKENS + 100)
     assert not is_turn(MIN_TURN_TOKENS - BLOCK, MIN_TURN_TOKENS)  # short history: a group redoes it cheaply
@@ -99,6 +129,25 @@ def test_the_adaptive_policy_runs_a_turn_in_dp_where_it_would_form_a_group():
     # too little history, or a turn the policy puts in DP anyway: unchanged
     assert p.decide(Request(600, 32, turn_tokens=192), IDLE, FAST).mode == "tp"
     assert p.decide(Request(600, 32, turn_tokens=512), IDLE, Costs({1: 10.0, 2: 12.0})).mode == "dp"
+
+
+def test_under_chat_traffic_a_first_prompt_runs_in_dp_too():
+    """``Traffic.continued`` at ``CHAT_SHARE``: a first prompt long enough to be
+    continued runs in DP (left to SGLang's dispatch: no engine holds it yet); below,
+    or a prompt too short to be continued, keeps the group; and a request that asked
+    for a group keeps it."""
+    p = Policy(PolicyConfig("adaptive", slo_ttft_ms=5000.0, slo_tpot_ms=30.0).validate(), NODE)
+    chat = Traffic(100.0, 0.2, 0.2, 600, 32, n_short=3, n_long=3, continued=CHAT_SHARE)
+    d = p.decide(Request(600, 32), IDLE, FAST, chat, SwitchCosts())
+    assert d.mode == "dp" and not d.turn and d.reason.startswith("chat traffic: a later turn "
+                                                                 "continued 50%"), d.reason
+    assert p.decide(Request(MIN_TURN_TOKENS - 1, 32), IDLE, FAST, chat, SwitchCosts()).mode == "tp"
+    assert p.decide(Request(600, 32, priority=1), IDLE, FAST, chat, SwitchCosts()).mode == "tp"
+    fewer = Traffic(100.0, 0.2, 0.2, 600, 32, n_short=3, n_long=3, continued=CHAT_SHARE - 0.1)
+    assert p.decide(Request(600, 32), IDLE, FAST, fewer, SwitchCosts()).mode == "tp"
+    lines = [record(Request(600, 32), IDLE, d, FAST, chat, SwitchCosts())]
+    assert replay(lines, PolicyConfig("adaptive", slo_ttft_ms=5000.0, slo_tpot_ms=30.0),
+                  NODE) == (1, [])
 
 
 @pytest.mark.parametrize("kw,mode", [
@@ -175,3 +224,29 @@ def test_the_controller_learns_where_round_robin_sent_a_prompt_and_routes_its_ne
     turns.place(controller, third, found, in_group=True, turn=False)
     assert third.routed_dp_rank is None
     assert controller._flying_turns.turn_of(found.keys + [0]).rank == -1
+
+
+def test_a_turn_whose_history_ran_in_a_group_is_left_to_sglang():
+    """No engine holds such a turn's history: the controller does not route it (the
+    loads it reads lag the requests just sent, and turns arriving together would all go
+    to the engine that looked least loaded), and learns where SGLang sent it."""
+    from types import SimpleNamespace
+
+    from flying.node import turns
+
+    controller = _controller(counter=4)
+    first = SimpleNamespace(rid="a", input_ids=tokens(400, 8), routed_dp_rank=None)
+    found = turns.look_up(controller, first)
+    turns.place(controller, first, found, in_group=True, turn=False)
+    second = SimpleNamespace(rid="b", input_ids=first.input_ids + tokens(100, 9),
+                             routed_dp_rank=None)
+    found = turns.look_up(controller, second)
+    assert found.turn is not None and found.turn.rank == -1
+    turns.place(controller, second, found, in_group=False, turn=True)
+    assert second.routed_dp_rank is None
+    mark = turns.round_robin_mark(controller)
+    controller.round_robin_counter = 5  # SGLang's round robin took active[0]
+    turns.learn(controller, second, mark)
+    third = second.input_ids + tokens(100, 10)
+    assert controller._flying_turns.turn_of(chain(third)).rank == 0
+    assert turns.continued_share(controller) == 1.0
