@@ -27,6 +27,7 @@ logger = logging.getLogger(__name__)
 class Lookup:
     keys: list[int]
     turn: Turn | None
+    prompt_len: int = 0
 
     @property
     def tokens(self) -> int:
@@ -44,9 +45,7 @@ def look_up(controller, req) -> Lookup | None:
         if index is None:
             index = controller._flying_turns = ConversationIndex()
         keys = chain(ids)
-        turn = index.turn_of(keys)
-        index.count(keys, turn, len(ids))
-        return Lookup(keys, turn)
+        return Lookup(keys, index.turn_of(keys), len(ids))
     except Exception:  # noqa: BLE001 - advice: placement goes on without it
         logger.exception("flying: conversation lookup failed for request %s",
                          getattr(req, "rid", "?"))
@@ -75,7 +74,11 @@ def place(controller, req, found: Lookup | None, in_group: bool, turn: bool) -> 
                 req.routed_dp_rank = rank
                 logger.debug("flying: request %s continues a conversation (%d tokens); "
                              "engine %d", req.rid, found.turn.tokens, rank)
-        controller._flying_turns.remember(found.keys, rank)
+        index = controller._flying_turns
+        index.remember(found.keys, rank)
+        # counted once placed: the share the policy read did not count this prompt,
+        # which no later turn can have continued yet
+        index.count(found.keys, found.turn, found.prompt_len)
         # a DP request left to SGLang's dispatch: ``learn`` finds its engine after it
         controller._flying_unrouted = (req.rid, found.keys) if rank < 0 and not in_group \
             else None

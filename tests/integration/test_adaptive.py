@@ -181,7 +181,8 @@ def test_a_conversation_s_turns_run_on_the_engine_that_holds_it(fast_group_serve
     runs in DP on one engine (``scheduler.conversations``), which from the third turn on
     finds the whole previous turn in its prefix cache. A group's cache ends with its
     session, and SGLang's round robin would send consecutive turns to different
-    engines: the previous turn would not be cached. Tokens equal transformers'."""
+    engines: the previous turn would not be cached. Then a new conversation's first
+    prompt runs in DP as chat traffic. Tokens equal transformers'."""
     history = prompts(1, 300, seed=41)[0]
     before = len(_decisions(fast_group_server))
     placed, cached, previous = [], [], 0
@@ -202,4 +203,13 @@ def test_a_conversation_s_turns_run_on_the_engine_that_holds_it(fast_group_serve
     reasons = [line["decision"]["reason"] for line in lines]
     assert all("a conversation's turn" in r for r in reasons[1:]), reasons
     assert all(line["request"]["turn_tokens"] >= 320 for line in lines[1:]), lines
+    # chat traffic (every long first prompt so far was continued): a new conversation's
+    # first prompt runs in DP too, where its next turn will find it cached
+    ids = prompts(1, 300, seed=42)[0]
+    body = fast_group_server.generate_ids(ids, 8)
+    assert body["output_ids"] == greedy_tokens(demo_model_dir, ids, 8)
+    assert body["meta_info"]["flying"]["mode"] == "dp", body["meta_info"]["flying"]
+    line = _decisions(fast_group_server)[-1]
+    assert line["traffic"]["continued"] == 1.0, line
+    assert line["decision"]["reason"].startswith("chat traffic"), line
     assert replay.main([str(fast_group_server.decisions)]) == 0
