@@ -5,10 +5,12 @@ The policy runs a conversation's turn in DP where it would have put it in a grou
 mechanism in the controller process: it keys each request's prompt (``look_up``, before
 the policy decides), and after the placement sends such a turn to the engine holding its
 conversation (SGLang's own ``routed_dp_rank``, which its dispatch honours before its load
-balancing) and remembers where every prompt went (``place``; ``learn`` reads where
-SGLang's round robin sent the others). A turn the layout runs in DP anyway is SGLang's
-to dispatch, as with groups off. Only under the adaptive policy, only
-once the start-up probe has opened the groups, and never for a request that names its
+balancing), remembers where every prompt went and counts whether it continued an
+earlier one (``place``; ``continued_share`` is the policy's sign of chat traffic), and
+``learn`` reads where SGLang's round robin sent the others. A turn the layout runs in DP
+anyway, or whose history no engine holds, is SGLang's to dispatch, as with groups off.
+Only under the adaptive policy, only once the start-up probe has opened the groups, and
+never for a request that names its
 own engine (``routed_dp_rank`` from the client is a DP-only feature: the request never
 reaches here with it unset by Flying). Advice only: any failure leaves SGLang's dispatch.
 """
