@@ -128,9 +128,9 @@ def binds_for(controller, req) -> list[tuple[int, Bind]]:
         return []
     found = None
     if _groups_open(controller):  # not the probe's and calibration's requests
-        _note_arrival(controller, req)
         if get_config().policy == "adaptive":
             found = turns.look_up(controller, req)
+        _note_arrival(controller, req, found)
     binds, turn = _binds(controller, req, issuer, marker, found)
     turns.place(controller, req, found, bool(binds), turn)
     return binds
@@ -213,8 +213,9 @@ def _serving(controller) -> dict[int, int]:
         return {}
 
 
-def _note_arrival(controller, req) -> None:
-    """Count ``req`` in the arrival estimate (``scheduler.traffic``); never raises."""
+def _note_arrival(controller, req, found: turns.Lookup | None = None) -> None:
+    """Count ``req`` in the arrival estimate (``scheduler.traffic``), a conversation's
+    turn by the tokens it prefills (``turns.uncached``); never raises."""
     try:
         from flying.node.placement import max_new_tokens
 
@@ -222,7 +223,8 @@ def _note_arrival(controller, req) -> None:
             out = max_new_tokens(req.sampling_params)
         except ValueError:
             out = None
-        controller._flying_arrivals.note(time.monotonic(), len(req.input_ids or ()), out)
+        prompt = turns.uncached(found) if found is not None else len(req.input_ids or ())
+        controller._flying_arrivals.note(time.monotonic(), prompt, out)
     except Exception:  # noqa: BLE001 - the estimate is advice; placement goes on
         logger.exception("flying: could not count request %s in the arrival rate", req.rid)
 

@@ -250,3 +250,34 @@ def test_a_turn_whose_history_ran_in_a_group_is_left_to_sglang():
     third = second.input_ids + tokens(100, 10)
     assert controller._flying_turns.turn_of(chain(third)).rank == 0
     assert turns.continued_share(controller) == 1.0
+
+
+def test_a_turn_counts_in_the_arrival_estimate_by_the_tokens_it_prefills():
+    """The arrival estimate's prompt size is what the layouts' service is predicted
+    from: a turn's is what follows its history (cached on the engine it is sent to),
+    any other prompt's all of it."""
+    import time
+    from types import SimpleNamespace
+
+    from flying.node import controller as flying_controller
+    from flying.node import turns
+    from scheduler.traffic import Arrivals
+
+    controller = _controller()
+    controller._flying_arrivals = Arrivals()
+    first = SimpleNamespace(rid="a", input_ids=tokens(400, 11), routed_dp_rank=None,
+                            sampling_params={"max_new_tokens": 8})
+    found = turns.look_up(controller, first)
+    assert turns.uncached(found) == 400
+    flying_controller._note_arrival(controller, first, found)
+    turns.place(controller, first, found, in_group=False, turn=False)
+    second = SimpleNamespace(rid="b", input_ids=first.input_ids + tokens(100, 12),
+                             routed_dp_rank=None, sampling_params={"max_new_tokens": 8})
+    found = turns.look_up(controller, second)
+    assert turns.uncached(found) == 500 - 6 * BLOCK  # the history's whole blocks cached
+    flying_controller._note_arrival(controller, second, found)
+    assert controller._flying_arrivals.traffic(time.monotonic()).prompt == (400 + 500 - 6 * BLOCK) / 2
+    short = SimpleNamespace(rid="c", input_ids=tokens(3 * BLOCK, 13))  # under a turn's least
+    turns.place(controller, short, turns.look_up(controller, short), in_group=False, turn=False)
+    found = turns.look_up(controller, SimpleNamespace(input_ids=short.input_ids + [5] * 200))
+    assert found.turn is not None and turns.uncached(found) == 3 * BLOCK + 200  # no turn
