@@ -51,15 +51,6 @@ MIN_TURN_TOKENS = 256
 #: many requests (running + waiting) more than the least loaded engine; beyond, the turn
 #: goes to the least loaded one (and its conversation with it).
 AFFINITY_SLACK = 4
-#: A turn is sent to its conversation's engine only while the node holds at most this
-#: many requests per engine (running + waiting); beyond, SGLang's round robin places it.
-#: On SGLang's multi-turn benchmark at a saturating 0.5 req/s (3-4 requests per engine),
-#: keeping every turn on its engine read TPOT p50 1.06-1.07x and E2E p50 1.05-1.08x
-#: groups off in three rounds of three (session 55's run of it: TTFT p50 above groups
-#: off's in all three): round robin's next engine holds the history but for the last
-#: turn, and spreads the arrivals evenly. At light load the engine holding the whole
-#: history wins (second turns 0.36x, later turns 0.66x: ``workloads.chat_turns``).
-ROUTE_LOAD = 1.0
 #: Continuations are counted over this many latest first prompts (``continued_share``).
 FIRSTS = 32
 #: At or above this share of recent first prompts continued by a later turn, the
@@ -90,14 +81,11 @@ def is_turn(turn_tokens: int, prompt_len: int) -> bool:
     return turn_tokens >= MIN_TURN_TOKENS and 2 * turn_tokens >= prompt_len
 
 
-def affinity_rank(holder: int, loads: dict[int, int]) -> int | None:
+def affinity_rank(holder: int, loads: dict[int, int]) -> int:
     """The engine for a turn whose conversation engine ``holder`` holds (-1: none):
     ``holder`` unless it holds more than ``AFFINITY_SLACK`` requests over the least
     loaded of ``loads`` (rank -> running + waiting, the engines a request may go to);
-    otherwise the least loaded (the lowest rank among equals). None (SGLang's dispatch
-    places it) where the engines hold more than ``ROUTE_LOAD`` requests each."""
-    if sum(loads.values()) > ROUTE_LOAD * len(loads):
-        return None
+    otherwise the least loaded (the lowest rank among equals)."""
     least = min(loads, key=lambda r: (loads[r], r))
     if holder in loads and loads[holder] <= loads[least] + AFFINITY_SLACK:
         return holder

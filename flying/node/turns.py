@@ -57,8 +57,8 @@ def look_up(controller, req) -> Lookup | None:
 def uncached(found: Lookup) -> int:
     """The prompt tokens ``found``'s request prefills where it runs in DP: a turn
     (``is_turn``) only what follows its history, which the engine holding its
-    conversation has cached (it is sent there at light load; under load round robin's
-    engine holds all of it but the last turn); any other prompt all of them. What the arrival estimate counts as a request's
+    conversation has cached (it is sent there; its first turn too under chat traffic);
+    any other prompt all of them. What the arrival estimate counts as a request's
     prompt: the layouts' service is predicted from it, and the policy's cost model
     sees no cached prefixes otherwise (under chat traffic it charged each turn's whole
     history, put DP's TPOT at 233 ms where it streamed 80, and kept choosing a group
@@ -85,9 +85,9 @@ def place(controller, req, found: Lookup | None, in_group: bool, turn: bool) -> 
         if turn and not in_group and found.turn is not None and found.turn.rank >= 0 \
                 and getattr(req, "routed_dp_rank", None) is None:
             loads = _dispatchable_loads(controller)
-            chosen = affinity_rank(found.turn.rank, loads) if loads else None
-            if chosen is not None:
-                rank = req.routed_dp_rank = chosen
+            if loads:
+                rank = affinity_rank(found.turn.rank, loads)
+                req.routed_dp_rank = rank
                 logger.debug("flying: request %s continues a conversation (%d tokens); "
                              "engine %d", req.rid, found.turn.tokens, rank)
         index = controller._flying_turns
