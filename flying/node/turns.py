@@ -10,9 +10,9 @@ earlier one (``place``; ``continued_share`` is the policy's sign of chat traffic
 ``learn`` reads where SGLang's round robin sent the others. A turn the layout runs in DP
 anyway, or whose history no engine holds, is SGLang's to dispatch, as with groups off.
 Only under the adaptive policy, only once the start-up probe has opened the groups, and
-never for a request that names its
-own engine (``routed_dp_rank`` from the client is a DP-only feature: the request never
-reaches here with it unset by Flying). Advice only: any failure leaves SGLang's dispatch.
+never for a request that names its own engine (``routed_dp_rank`` from the client is a
+DP-only feature: the request never reaches here with it unset by Flying). Advice only:
+any failure leaves SGLang's dispatch.
 """
 
 from __future__ import annotations
@@ -57,8 +57,7 @@ def look_up(controller, req) -> Lookup | None:
 def uncached(found: Lookup) -> int:
     """The prompt tokens ``found``'s request prefills where it runs in DP: a turn
     (``is_turn``) only what follows its history, which the engine holding its
-    conversation has cached (it is sent there; its first turn too under chat traffic);
-    any other prompt all of them. What the arrival estimate counts as a request's
+    conversation has cached (``place`` sends it there); any other prompt all of them. What the arrival estimate counts as a request's
     prompt: the layouts' service is predicted from it, and the policy's cost model
     sees no cached prefixes otherwise (under chat traffic it charged each turn's whole
     history, put DP's TPOT at 233 ms where it streamed 80, and kept choosing a group
