@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 Point = tuple[float, float]  # (work: batch size or tokens, ms)
 
@@ -110,6 +110,9 @@ class Costs:
     #: not known)
     live_ms: dict[int, float] = field(default_factory=dict)
     live_low_ms: dict[int, float] = field(default_factory=dict)
+    #: per degree: its stretch when it last ran, however long ago (absent: never ran
+    #: long enough to tell)
+    stretch_last: dict[int, float] = field(default_factory=dict)
 
     # -- the latency test -----------------------------------------------------------
 
@@ -166,6 +169,23 @@ class Costs:
         if all(self.factor(d) <= 1.0 for d in self.stretch):
             return self
         return _scaled(self)
+
+    def lately(self) -> Costs:
+        """These costs with each degree's stretch as it ran when it last served: its
+        stretch now, else its last one (``stretch_last``), else its live single-request
+        steps over its best one (``live_ms / decode_ms``: a node's status before
+        ``stretch_last`` was published, and a mode whose serving never filled a
+        stretch window). For comparing a group with DP where one of them is not running
+        now: a mode's quiet points say how fast it can step, and on a shared machine a
+        group's steps stretch more than one engine's (it needs every member's core at
+        once)."""
+        merged = {d: round(self.live_ms[d] / ms, 3) for d, ms in self.decode_ms.items()
+                  if ms > 0 and self.live_ms.get(d, 0.0) > ms}
+        merged.update(self.stretch_last)
+        merged.update(self.stretch)
+        if merged == self.stretch:
+            return self
+        return replace(self, stretch=merged)
 
     # -- curves ---------------------------------------------------------------------
 
@@ -231,7 +251,8 @@ class Costs:
         doc: dict = {"decode_ms": {str(d): ms for d, ms in sorted(self.decode_ms.items())}}
         if self.stretch:
             doc["stretch"] = {str(d): x for d, x in sorted(self.stretch.items())}
-        for name, values in (("live_ms", self.live_ms), ("live_low_ms", self.live_low_ms)):
+        for name, values in (("live_ms", self.live_ms), ("live_low_ms", self.live_low_ms),
+                             ("stretch_last", self.stretch_last)):
             if values:
                 doc[name] = {str(d): ms for d, ms in sorted(values.items())}
         if self.curves:
@@ -253,7 +274,7 @@ class Costs:
         return Costs({int(k): float(v) for k, v in doc.get("decode_ms", {}).items()}, curves,
                      {int(k): float(v) for k, v in (doc.get("stretch") or {}).items()},
                      *({int(k): float(v) for k, v in (doc.get(name) or {}).items()}
-                       for name in ("live_ms", "live_low_ms")))
+                       for name in ("live_ms", "live_low_ms", "stretch_last")))
 
 
 @functools.lru_cache(maxsize=64)

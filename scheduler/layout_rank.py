@@ -181,7 +181,7 @@ class LayoutRanking:
 
     def _best(self, preds: dict[Layout, Prediction], output: float,
               costs: Costs | None = None, rate: float = 0.0,
-              upper: dict[Layout, Prediction] | None = None) -> Layout:
+              edges: list[dict[Layout, Prediction]] | None = None) -> Layout:
         """The highest goodput; among ties a layout that keeps up with the rate before
         one that does not, then the lowest latency; where every tie is saturated (an
         overload: goodput ~0 everywhere, and the latency of a saturated layout says
@@ -204,7 +204,8 @@ class LayoutRanking:
 
         Both hold across the rate's uncertainty: ``rate`` (the light test's) is the
         upper edge of its one-standard-error band, and the tails are checked at the rate
-        and at that edge (``upper``). On the hidden-1024 model a round's second arrival,
+        and at both edges (``edges``: at the lower one a group's p99 gap may hold a
+        prefill where DP's does not yet, ``LayoutChooser._tails_to_leave``). On the hidden-1024 model a round's second arrival,
         2.7 s after its first, read 0.73 req/s, under half the group's predicted
         capacity, and the round's burst joined the group; and a group's tails grow with
         the rate twice as fast as DP's (it takes every arrival), so a rate read from a
@@ -219,21 +220,21 @@ class LayoutRanking:
             return max(equal, key=lambda lay: (preds[lay].throughput, -lay.groups))
         if costs is not None:
             fast = [lay for lay in keeping_up
-                    if self._latency_may_take(lay, preds, costs, rate, upper)]
+                    if self._latency_may_take(lay, preds, costs, rate, edges)]
             keeping_up = fast or keeping_up
         return min(keeping_up, key=lambda lay: (self._latency(lay, preds[lay], output), lay.groups))
 
     def _latency_may_take(self, lay: Layout, preds: dict[Layout, Prediction], costs: Costs,
-                          rate: float, upper: dict[Layout, Prediction] | None) -> bool:
+                          rate: float, edges: list[dict[Layout, Prediction]] | None) -> bool:
         """Whether latency may pick ``lay`` over a goodput tie (``_best``'s rules): DP
         always; a layout with groups where its degree's step is ``latency_gain`` faster,
-        the load light at ``rate`` and its tails within DP's at the rate and at
-        ``upper``."""
+        the load light at ``rate`` and its tails within DP's at the rate and at the
+        band's ``edges``."""
         return not lay.groups or (
             (costs.gain(lay.tp_degree) or -1.0) >= self.latency_gain
             and rate <= LIGHT * self.capacity(lay)
             and not self._tails_over(lay, preds)
-            and not (upper and lay in upper and self._tails_over(lay, upper)))
+            and not any(lay in e and self._tails_over(lay, e) for e in edges or ()))
 
     def _tails_over(self, lay: Layout, preds: dict[Layout, Prediction],
                     tolerance: float = TAIL_TOLERANCE) -> bool:

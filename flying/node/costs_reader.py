@@ -93,13 +93,13 @@ def _mean(values: list[float]) -> float:
 
 def merge(engines: list[dict]) -> Costs | None:
     """Per degree, the mean of the engines' measured decode step (ms), of their
-    stretch (over the engines that ran the mode lately) and of their live decode steps
-    (now and lowest), and per curve point (degree, kind, bucket) the mean of the
+    stretch (over the engines that ran the mode lately; the last one, over those that
+    ever did) and of their live decode steps (now and lowest), and per curve point (degree, kind, bucket) the mean of the
     engines' points; None if none."""
     points: dict[tuple[int, str, int], list[tuple[float, float]]] = {}
     # per field: per degree, the engines' values (their mean is the node's)
     per: dict[str, dict[int, list[float]]] = {
-        key: {} for key in ("decode_ms", "stretch", "live_ms", "live_low_ms")}
+        key: {} for key in ("decode_ms", "stretch", "live_ms", "live_low_ms", "stretch_last")}
     for doc in engines:
         for name, values in per.items():
             for degree, x in (doc.get(name) or {}).items():
@@ -116,12 +116,12 @@ def merge(engines: list[dict]) -> Costs | None:
         work, ms = _mean([w for w, _ in pts]), _mean([m for _, m in pts])
         curves.setdefault(degree, {"decode": [], "prefill": []})[kind].append(
             (round(work, 2), round(ms, 4)))
-    means = {name: {d: round(_mean(v), 3 if name == "stretch" else 4)
+    means = {name: {d: round(_mean(v), 3 if name.startswith("stretch") else 4)
                     for d, v in sorted(values.items())} for name, values in per.items()}
     return Costs(
         means["decode_ms"],
         {d: Curve.of(c["decode"], c["prefill"]) for d, c in curves.items()},
-        means["stretch"], means["live_ms"], means["live_low_ms"],
+        means["stretch"], means["live_ms"], means["live_low_ms"], means["stretch_last"],
     )
 
 

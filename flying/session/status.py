@@ -52,6 +52,7 @@ def document(dp_rank: int, engine, scheduler=None) -> str:
         "decode_ms": decode_ms,  # measured single-request decode step, per degree
         "curves": curves,  # measured decode / prefill points, per degree
         "stretch": engine.clock.stretch(),  # how much slower each mode's steps run now
+        "stretch_last": engine.clock.stretch_last(),  # and when it last ran
         "live_ms": engine.clock.live_ms(),  # its recent single-request decode steps, per degree
         "live_low_ms": engine.clock.live_low_ms(),  # the lowest live_ms has been
         # a shallow copy: serialized at once, on the thread that changes the counters

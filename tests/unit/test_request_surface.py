@@ -540,7 +540,8 @@ def test_constrained_never_bound_by_the_controller(cfg):
     assert flying_controller.binds_for(ctl, _tok(regex="a+")) == []
     marked = _tok(routing_key=messages.mark(None, 2, "priority"), regex="a+")
     assert flying_controller.binds_for(ctl, marked) == []
-    assert flying_controller.binds_for(ctl, _tok())  # unconstrained, idle node: a group
+    # unconstrained, on an idle node (its first arrival): a group
+    assert flying_controller.binds_for(FakeController(), _tok())
 
 
 def test_priority_bound_keeps_busy_members_in_dp(cfg):

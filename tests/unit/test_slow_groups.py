@@ -1,0 +1,118 @@
+"""A group that streams slower than DP engines would is left, and not entered for
+latency: the stretch is measured against the curve the policy reads, remembered once a
+mode stops serving, and a layout with groups is checked at the costs its steps ran at.
+
+The costs are a logged node's (hidden-1024 model at 0.6 req/s, SGLang's benchmark,
+session 56): TP-2 taken at the first arrival for latency and kept for a predicted
+goodput tie; its quiet points put the group's TPOT at 17 ms and DP's at 25, and it
+streamed at an ITL p50 of 31-34 ms against groups-off's 25."""
+
+from __future__ import annotations
+
+import pytest
+
+from flying.node.costs_reader import merge
+from flying.session.step_costs import MIN_SAMPLES, STRETCH_S, StepClock
+from scheduler.costs import Costs
+from scheduler.layout_choice import DWELL_S, LayoutChooser, SwitchCosts
+from scheduler.service import Layout, Slo
+from scheduler.traffic import Traffic
+
+pytestmark = pytest.mark.unit
+
+#: The logged node's costs at its first arrival (calibration only) ...
+S56_FIRST = Costs.from_json({
+    "decode_ms": {"1": 22.4235, "2": 15.365},
+    "live_ms": {"1": 23.0689, "2": 16.1491}, "live_low_ms": {"1": 23.0298, "2": 15.7897},
+    "curves": {"1": {"decode": [[1.0, 22.4235], [4.0, 43.9975]],
+                     "prefill": [[6.17, 32.7172], [127.5, 271.9654], [381.0, 720.8558]]},
+               "2": {"decode": [[1.0, 15.365], [4.0, 24.89]],
+                     "prefill": [[12.0, 34.5313], [128.0, 143.8542], [384.0, 395.7015]]}}})
+S56_FIRST_TRAFFIC = Traffic(now=77482.6, rate_short=1.0, rate_long=1.0, prompt=222.0,
+                            output=32.0, n_short=1, n_long=1, window_s=3.0)
+#: ... and 9.5 s later, the group serving (its points at batch 2-3 above the
+#: calibration's batch-4 one, which the curve reads there)
+S56_SERVING = Costs.from_json({
+    "decode_ms": {"1": 22.4235, "2": 15.365},
+    "live_ms": {"1": 23.0689, "2": 19.3874}, "live_low_ms": {"1": 23.0298, "2": 15.7897},
+    "curves": {"1": {"decode": [[1.0, 22.4235], [4.0, 43.9975]],
+                     "prefill": [[6.17, 32.7172], [127.5, 271.9654], [381.0, 720.8558]]},
+               "2": {"decode": [[1.0, 15.365], [2.0, 30.0479], [3.0, 34.4853], [4.0, 24.89]],
+                     "prefill": [[12.0, 34.5313], [121.33, 124.0113], [203.67, 181.1622],
+                                 [342.0, 335.5451]]}}})
+S56_TRAFFIC = Traffic(now=77492.2, rate_short=0.6667, rate_long=0.6306, prompt=190.0,
+                      output=58.67, n_short=2, n_long=6, window_s=3.0)
+SLO = Slo(ttft_ms=2042.9, tpot_ms=33.64)
+DP, TP = Layout((1, 1)), Layout((2,))
+
+
+def test_the_stretch_is_measured_against_the_curve_the_policy_reads():
+    """The calibration's quiet batch-4 point (25 ms) is what the curve reads at batch 2
+    (a step never costs less for more work); serving steps of 30 ms there are 1.2x it,
+    though they are their own point's best (before: a stretch of 1.0)."""
+    clock = StepClock()
+    for _ in range(15):  # the start-up probe, quiet
+        clock.record(2, 15.0, "decode", 1, now=0.0)
+        clock.record(2, 25.0, "decode", 4, now=0.0)
+    for _ in range(2 * MIN_SAMPLES):
+        clock.record(2, 30.0, "decode", 2, now=100.0)
+    assert clock.stretch(100.0) == {2: pytest.approx(1.2)}
+    # remembered once the group stops serving, as its live steps are
+    later = 100.0 + STRETCH_S + 1.0
+    assert clock.stretch(later) == {}
+    assert clock.stretch_last() == {2: pytest.approx(1.2)}
+    doc = {"decode_ms": clock.decode_ms(), "curves": clock.curves(),
+           "stretch": clock.stretch(later), "stretch_last": clock.stretch_last()}
+    costs = merge([doc])
+    assert costs is not None and costs.stretch == {} and costs.stretch_last == {2: 1.2}
+    assert Costs.from_json(costs.to_json()) == costs
+
+
+def test_lately_reads_a_mode_s_stretch_now_else_its_last_else_its_live_steps():
+    costs = Costs({1: 20.0, 2: 15.0}, stretch={2: 1.4}, live_ms={1: 25.0, 2: 15.0},
+                  stretch_last={2: 1.1})
+    assert costs.lately().stretch == {1: 1.25, 2: 1.4}
+    assert Costs({1: 20.0}, stretch={1: 1.1}).lately().stretch == {1: 1.1}
+
+
+def _chooser(current: Layout) -> LayoutChooser:
+    chooser = LayoutChooser(2, (2,), 10.0, 0.10, 8187, joins=True)
+    chooser.current, chooser.since = current, S56_TRAFFIC.now - 2 * DWELL_S
+    return chooser
+
+
+@pytest.mark.parametrize("stretch, want", [(None, "1xTP2"), (1.25, "1xTP2"),
+                                           (1.5, "2xDP"), (1.7, "2xDP")])
+def test_a_group_streaming_slower_than_dp_is_left(stretch, want):
+    """At its quiet points the group is the best layout (goodput 0.63 vs 0.61 req/s,
+    TPOT 17 vs 25 ms); stretched as it streamed (1.5x the curve: 26 ms at batch 1-2
+    where the curve reads 17) its requests stream slower than DP's would, for no
+    goodput gain, and the node goes back to DP. Within 5 % it keeps the group."""
+    costs = Costs(S56_SERVING.decode_ms, S56_SERVING.curves,
+                  {2: stretch} if stretch else {}, S56_SERVING.live_ms,
+                  S56_SERVING.live_low_ms)
+    choice = _chooser(TP).choose(S56_TRAFFIC.now, costs, S56_TRAFFIC, 2, 0, SLO,
+                                 SwitchCosts(0.95, 10.0))
+    assert choice.layout.name == want
+    if want == "2xDP":
+        assert "stream slower" in choice.reason
+    # within its dwell the group is kept
+    chooser = _chooser(TP)
+    chooser.since = S56_TRAFFIC.now
+    assert chooser.choose(S56_TRAFFIC.now, costs, S56_TRAFFIC, 2, 0, SLO,
+                          SwitchCosts(0.95, 10.0)).layout == TP
+
+
+def test_a_group_that_streamed_slower_is_not_entered_for_latency():
+    """The first arrival of a round: on the quiet points a group is 35 % faster end to
+    end, and the node took it (the logged decision). Once the group is known to have
+    streamed 1.5x its curve, a latency switch must hold at that too."""
+    def choose(costs: Costs) -> str:
+        chooser = LayoutChooser(2, (2,), 10.0, 0.10, 8187, joins=True)
+        return chooser.choose(S56_FIRST_TRAFFIC.now, costs, S56_FIRST_TRAFFIC, 0, 0, SLO,
+                              SwitchCosts(0.95, 10.0)).reason
+
+    assert choose(S56_FIRST).startswith("goodput: 2xDP -> 1xTP2 (latency")
+    last = Costs(S56_FIRST.decode_ms, S56_FIRST.curves, {}, S56_FIRST.live_ms,
+                 S56_FIRST.live_low_ms, stretch_last={2: 1.5})
+    assert "streams slower" in choose(last)
