@@ -15,6 +15,7 @@ from flying.node.costs_reader import merge
 from flying.session.step_costs import MIN_SAMPLES, STRETCH_S, StepClock
 from scheduler.costs import Costs
 from scheduler.layout_choice import DWELL_S, LayoutChooser, SwitchCosts
+from scheduler.layout_rank import band_edge
 from scheduler.service import Layout, Slo
 from scheduler.traffic import Traffic
 
@@ -116,3 +117,36 @@ def test_a_group_that_streamed_slower_is_not_entered_for_latency():
     last = Costs(S56_FIRST.decode_ms, S56_FIRST.curves, {}, S56_FIRST.live_ms,
                  S56_FIRST.live_low_ms, stretch_last={2: 1.5})
     assert "streams slower" in choose(last)
+
+
+#: The hidden-1024 model's first quiet phase of the three-peak trace (session 57), in
+#: TP-2 since its first arrival: 7 arrivals read 0.91 req/s.
+S57_QUIET = Costs.from_json({
+    "decode_ms": {"1": 22.167, "2": 14.4413}, "stretch": {"2": 1.115},
+    "live_ms": {"1": 22.8803, "2": 16.0145}, "live_low_ms": {"1": 22.8393, "2": 15.3559},
+    "stretch_last": {"1": 1.003, "2": 1.115},
+    "curves": {"1": {"decode": [[1.0, 22.167], [4.0, 43.9378]],
+                     "prefill": [[6.17, 31.1401], [127.5, 282.0883], [381.0, 743.313]]},
+               "2": {"decode": [[1.0, 14.4413], [4.0, 26.6442]],
+                     "prefill": [[12.0, 33.0194], [29.0, 49.4635], [59.0, 75.8257],
+                                 [114.5, 93.3509], [134.0, 147.2885], [384.0, 388.3481]]}}})
+S57_QUIET_TRAFFIC = Traffic(now=87057.36, rate_short=1.0, rate_long=0.9144, prompt=82.57,
+                            output=22.14, n_short=3, n_long=7, window_s=3.0)
+
+
+def test_a_group_whose_p99_gap_holds_a_fraction_of_a_pause_is_kept():
+    """At the rate band's lower edge (0.57 req/s) the group's predicted p99 gap is 33 ms
+    against DP's 22: past 1.25x, but DP's is only its decode step and the group's a
+    step of 15 ms plus a fifth of a 94 ms prefill. Leaving there (the first run of the
+    rule) cost the quiet phase's first tokens 1.17x static TP; a pause counts from half
+    of one (``HALF_PAUSE``), as at 0.6 req/s, where the group's p99 gap held a whole
+    one."""
+    chooser = LayoutChooser(2, (2,), 10.0, 0.10, 8187, joins=True)
+    chooser.current, chooser.since = TP, S57_QUIET_TRAFFIC.now - 2 * DWELL_S
+    slo = Slo(ttft_ms=2107.9, tpot_ms=33.25)
+    lower = chooser.predict_all(S57_QUIET, S57_QUIET_TRAFFIC, 0, slo,
+                                band_edge(S57_QUIET_TRAFFIC, -1.0))
+    assert lower[TP].itl_tails_ms[1] > 1.25 * lower[DP].itl_tails_ms[1]
+    got = chooser.choose(S57_QUIET_TRAFFIC.now, S57_QUIET, S57_QUIET_TRAFFIC, 1, 0, slo,
+                         SwitchCosts(0.83, 10.0))
+    assert got.layout == TP, got.reason
