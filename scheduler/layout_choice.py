@@ -36,8 +36,7 @@ keeps or changes its layout:
   ``DWELL_S`` seconds (unless another predicts over ``DWELL_BREAK`` x its goodput), so
   a steady rate near the crossover does not flap; a layout with groups is left for its
   tails alone only past ``TAIL_LEAVE`` (above the bar to enter it), at the rate and at
-  the upper edge of its band (where DP's tail is longest) or at its lower edge (where a
-  group's tail may hold a prefill that DP's does not yet), and only for DP; it is left
+  the upper edge of its band (where DP's tail is longest), and only for DP; it is left
   for DP too where its groups stream slower than DP engines at the costs the steps ran
   at (``_streams_slower``);
 - the layouts are evaluated at most every ``EVALUATE_S`` (requests in between take
@@ -62,7 +61,7 @@ from scheduler.layout_rank import (
     band_edge,
     goodput_margin,
 )
-from scheduler.service import TAIL_QUANTILES, Layout, Prediction, Slo, pause_weight
+from scheduler.service import Layout, Prediction, Slo
 from scheduler.traffic import Traffic
 
 #: The least time a layout is kept once taken (seconds).
@@ -89,9 +88,6 @@ TAIL_MIN_ARRIVALS = 10
 #: slower than DP engines (TPOT) for no goodput gain; it is entered for latency only
 #: where they are predicted to stream no slower (``_streams_slower``).
 TPOT_LEAVE = 0.05
-#: A group is left for its tails at the lower edge of the rate's band only where its
-#: p99 gap holds at least this share of a prefill pause (``_tails_to_leave``).
-HALF_PAUSE = 0.5
 #: Where no layout serves anything within SLO at the rate read, the layouts are
 #: compared this many standard errors below it, the first edge where one does
 #: (``_lower_edge``); beyond three the rate read is not where the node is. Half steps:
@@ -208,32 +204,19 @@ class LayoutChooser(LayoutRanking):
 
     def _tails_to_leave(self, preds: dict[Layout, Prediction],
                         upper: dict[Layout, Prediction] | None,
-                        lower: dict[Layout, Prediction] | None,
-                        traffic: Traffic) -> dict[Layout, Prediction] | None:
-        """The predictions at which the current layout's groups are left for their
-        tails (p99 gap over ``TAIL_LEAVE`` x DP's), or None: at the rate and at the
-        upper edge of its band, from ``TAIL_MIN_ARRIVALS`` arrivals on; or at its lower
-        edge, where a group's tail holds at least ``HALF_PAUSE`` of a prefill that DP's
-        does not yet (a group's short steps put a small share of a pause past 1.25x
-        DP's p99, which is only its step: 33 against 22 ms in the hidden-1024 model's
-        quiet phases, where the group's first tokens came 2x sooner). (A group's
-        share of gaps holding a prefill grows twice as fast with the rate as a DP
-        engine's; between the two the group's p99 gap is a prefill and DP's a decode
-        step. The hidden-1024 model at 0.6 req/s, SGLang's benchmark: the rate read
-        0.8 req/s, where DP's p99 was predicted to hold its longer prefill too, and
-        the group's ITL p99 ran 150-285 ms against groups-off's 80-127 in four rounds
-        of six.) Entering a group for latency checks all three (``_best``), so
-        a group left at the lower edge is not taken back at it."""
-        if traffic.behind >= TAIL_MIN_ARRIVALS and self._tails_over(
-                self.current, preds, TAIL_LEAVE) and not (
-                upper and not self._tails_over(self.current, upper, TAIL_LEAVE)):
-            return preds
-        if lower and self.current in lower and \
-                self._tails_over(self.current, lower, TAIL_LEAVE):
-            rate = band_edge(traffic, -1.0) * self.current.tp_degree / self.num_engines
-            if pause_weight(rate, lower[self.current].tpot_ms, TAIL_QUANTILES[1]) >= HALF_PAUSE:
-                return lower
-        return None
+                        traffic: Traffic) -> bool:
+        """Whether the current layout's groups are left for their tails: their p99 gap
+        over ``TAIL_LEAVE`` x DP's at the rate and at the upper edge of its band, from
+        ``TAIL_MIN_ARRIVALS`` arrivals on. Not at the band's lower edge, which entering
+        a group for latency checks (``_best``): a rate rising into a burst, read from a
+        few arrivals, has a lower edge from before the burst, where a group's p99 gap
+        holds a prefill and DP's not yet; leaving there (session 57, three-peak) took a
+        checkpoint of hidden 512 out of the group its bursts were better served in
+        (goodput 0.81x static TP), and the hidden-1024 model out of the group its first
+        quiet phase's first tokens came 2x sooner in."""
+        return traffic.behind >= TAIL_MIN_ARRIVALS and \
+            self._tails_over(self.current, preds, TAIL_LEAVE) and \
+            not (upper and not self._tails_over(self.current, upper, TAIL_LEAVE))
 
     def _streams_slower(self, group: Layout, costs: Costs, traffic: Traffic, queued: float,
                         slo: Slo, tolerance: float) -> bool:
@@ -353,7 +336,8 @@ class LayoutChooser(LayoutRanking):
             return leave
         # A latency bet holds across the rate's band: light load and tails are checked
         # at its upper edge too (one arrival's rate is the 1 s floor, not an estimate),
-        # the tails at its lower edge as well; so is leaving a group for its tails.
+        # the tails at its lower edge as well; leaving a group for its tails at the
+        # rate and the upper edge (``_tails_to_leave``).
         upper, lower, top = None, None, traffic.rate
         if traffic.behind >= 2 and any(lay.groups for lay in reach):
             top = band_edge(traffic, 1.0)
@@ -397,10 +381,10 @@ class LayoutChooser(LayoutRanking):
             kind = f"goodput {new.goodput:.2f} vs {cur.goodput:.2f} req/s"
         elif (tie and not (cur.saturated or new.saturated)  # light load: its gaps decide
               and not regroup and traffic.rate <= LIGHT * self.capacity(self.current)
-              and (at := self._tails_to_leave(preds, upper, lower, traffic)) is not None):
+              and self._tails_to_leave(preds, upper, traffic)):
             # each request of the horizon is spared at least one such gap; the switch
             # (moves to DP) delays what it delays
-            mine, dp = at[self.current].itl_tails_ms[1], at[self.candidates[0]].itl_tails_ms[1]
+            mine, dp = preds[self.current].itl_tails_ms[1], preds[self.candidates[0]].itl_tails_ms[1]
             worth = (mine - dp) * traffic.rate * self.horizon_s > delayed * cost_ms
             kind = f"ITL p99 {mine:.0f} vs {dp:.0f} ms in DP"
         elif not tie or new.goodput < cur.goodput:  # not for less goodput

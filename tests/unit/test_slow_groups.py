@@ -134,13 +134,13 @@ S57_QUIET_TRAFFIC = Traffic(now=87057.36, rate_short=1.0, rate_long=0.9144, prom
                             output=22.14, n_short=3, n_long=7, window_s=3.0)
 
 
-def test_a_group_whose_p99_gap_holds_a_fraction_of_a_pause_is_kept():
+def test_a_group_is_not_left_for_its_tails_at_the_lower_edge_of_the_rates_band():
     """At the rate band's lower edge (0.57 req/s) the group's predicted p99 gap is 33 ms
-    against DP's 22: past 1.25x, but DP's is only its decode step and the group's a
-    step of 15 ms plus a fifth of a 94 ms prefill. Leaving there (the first run of the
-    rule) cost the quiet phase's first tokens 1.17x static TP; a pause counts from half
-    of one (``HALF_PAUSE``), as at 0.6 req/s, where the group's p99 gap held a whole
-    one."""
+    against DP's 22: past 1.25x, but at the rate read (0.91) and the upper edge DP's
+    p99 gap holds a longer prefill. Leaving at the lower edge (the first run of the
+    rule) cost the quiet phase's first tokens 1.17x static TP, and in bursts read from
+    a few arrivals it left groups the bursts were better served in; the lower edge
+    only keeps a group from being entered for latency."""
     chooser = LayoutChooser(2, (2,), 10.0, 0.10, 8187, joins=True)
     chooser.current, chooser.since = TP, S57_QUIET_TRAFFIC.now - 2 * DWELL_S
     slo = Slo(ttft_ms=2107.9, tpot_ms=33.25)
