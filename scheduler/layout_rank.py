@@ -17,6 +17,9 @@ switch to the best one pays. The ranking's rules:
   (``_robust_gain``: at one standard error below and above the rate, the gain in the
   share within SLO; a Poisson stream's 30 s window varies by +-15 % at 1.5 req/s) and
   keeps ``HOLD`` of itself at the costs the steps run at now (``_holds_loaded``);
+- whether a layout's groups stream slower than DP engines at the costs each mode's
+  steps ran at when it last served (``_streams_slower``: the chooser leaves such a
+  group on a goodput tie and does not enter one for latency);
 - a layout with groups is a target only within ``REACH`` of the batches its degree was
   measured at (``_within_reach``), and a switch from DP is charged the DP requests its
   groups would interleave with (``_net_of_interleave``);
@@ -172,6 +175,33 @@ class LayoutRanking:
         preds = self.predict_all(loaded, traffic, queued, slo, rate, loaded=True)  # scaled once
         cur = preds[self.current].goodput
         return preds[best].goodput - cur > max(goodput_margin(cur, rate), HOLD * gain)
+
+    def _streams_slower(self, group: Layout, costs: Costs, traffic: Traffic, queued: float,
+                        slo: Slo, tolerance: float) -> bool:
+        """Whether ``group``'s requests are predicted to stream more than ``tolerance``
+        slower than DP's at the costs each mode's steps ran at when it last served
+        (``Costs.lately``), for no goodput gain there (within the margin), neither
+        layout saturated; False where the group's degree has never been measured
+        serving.
+
+        The quiet points say how fast a mode can step; a group on a shared machine
+        steps slower than they say, and by more than one engine does (it needs every
+        member's core at once). On the hidden-1024 model at 0.6 req/s (SGLang's
+        benchmark, session 56) the node took TP-2 for one request's latency and kept
+        it for a predicted goodput tie; its quiet points put the group's TPOT at 17 ms
+        and DP's at 25, and the group streamed at an ITL p50 of 31-34 ms against
+        groups-off's 25 (ITL p99 1.85x). A layout of groups is worth its prefill pauses
+        (every running request waits for each arrival's prefill) only where its steps
+        are the faster ones."""
+        dp = self.candidates[0]
+        if group.tp_degree not in {**costs.stretch_last, **costs.stretch}:
+            return False
+        preds = self.predict_all(costs.lately(), traffic, queued, slo, loaded=True)
+        g, d = preds.get(group), preds.get(dp)
+        if g is None or d is None or g.saturated or d.saturated:
+            return False
+        return g.goodput - d.goodput <= goodput_margin(d.goodput, traffic.rate) and \
+            g.tpot_ms > (1.0 + tolerance) * d.tpot_ms
 
     def _latency(self, lay: Layout, p: Prediction, output: float) -> float:
         """A request's predicted end-to-end latency (ms), a layout with groups charged
