@@ -154,18 +154,10 @@ def gap_tails(lam: float, tpot: float, step: float, pre: float) -> tuple[float, 
     arrivals' clustering decide) the pause counts in proportion. So one group
     taking every arrival has a longer tail than DP engines splitting them, at the same
     rate, even where its prefill is faster."""
-    return tuple(  # type: ignore[return-value]
-        step + pre * pause_weight(lam, tpot, q) for q in TAIL_QUANTILES
-    )
-
-
-def pause_weight(lam: float, tpot: float, q: float) -> float:
-    """How much of a prefill pause the ``q`` quantile of a running request's gaps
-    holds on a server taking ``lam`` req/s at ``tpot`` ms per token (``gap_tails``): 0
-    where the share ``lam * tpot`` of gaps holding one is under 0.75x the quantile's
-    tail, 1 from 1.25x, in proportion between."""
     share = lam * tpot / 1000.0
-    return min(1.0, max(0.0, 2.0 * share / (1.0 - q) - 1.5))
+    return tuple(  # type: ignore[return-value]
+        step + pre * min(1.0, max(0.0, 2.0 * share / (1.0 - q) - 1.5)) for q in TAIL_QUANTILES
+    )
 
 
 def _batch(costs: Costs, degree: int, lam: float, out: float, free: float, cap: float):

@@ -94,8 +94,8 @@ def _mean(values: list[float]) -> float:
 def merge(engines: list[dict]) -> Costs | None:
     """Per degree, the mean of the engines' measured decode step (ms), of their
     stretch (over the engines that ran the mode lately; the last one, over those that
-    ever did) and of their live decode steps (now and lowest), and per curve point (degree, kind, bucket) the mean of the
-    engines' points; None if none."""
+    ever did) and of their live decode steps (now and lowest), and per curve point
+    (degree, kind, bucket) the mean of the engines' points; None if none."""
     points: dict[tuple[int, str, int], list[tuple[float, float]]] = {}
     # per field: per degree, the engines' values (their mean is the node's)
     per: dict[str, dict[int, list[float]]] = {
