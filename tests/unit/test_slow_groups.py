@@ -9,6 +9,8 @@ streamed at an ITL p50 of 31-34 ms against groups-off's 25."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from flying.node.costs_reader import merge
@@ -150,3 +152,36 @@ def test_a_group_is_not_left_for_its_tails_at_the_lower_edge_of_the_rates_band()
     got = chooser.choose(S57_QUIET_TRAFFIC.now, S57_QUIET, S57_QUIET_TRAFFIC, 1, 0, slo,
                          SwitchCosts(0.83, 10.0))
     assert got.layout == TP, got.reason
+
+
+#: The hidden-1024 model at 0.6 req/s (SGLang's benchmark, session 58, round 1), the
+#: node in DP after leaving a group, 26 arrivals in: at the quiet points TP-2 serves
+#: 0.74 req/s within SLO and DP none (its TPOT past the SLO's 46.9 ms).
+S58_DP = Costs.from_json({
+    "decode_ms": {"1": 31.2644, "2": 21.6933},
+    "curves": {"1": {"decode": [[1.0, 31.2644], [2.0, 67.9872], [3.0, 86.3149],
+                                [4.0, 60.8935]],
+                     "prefill": [[6.17, 42.7199], [106.25, 277.4774], [187.0, 530.1273],
+                                 [381.0, 972.2682]]},
+               "2": {"decode": [[1.0, 21.6933], [2.0, 36.1749], [3.0, 41.9676],
+                                [4.0, 33.9138], [5.0, 45.7571]],
+                     "prefill": [[12.0, 60.0652], [112.5, 153.928], [180.88, 203.4995],
+                                 [323.25, 350.9068]]}}})
+S58_TRAFFIC = Traffic(now=435.27, rate_short=1.0, rate_long=0.8667, prompt=158.17,
+                      output=62.93, n_short=3, n_long=26, window_s=3.0, continued=0.25)
+
+
+@pytest.mark.parametrize("last, want", [(None, "1xTP2"), (1.0, "1xTP2"), (2.0, "2xDP")])
+def test_a_goodput_gain_holds_at_the_stretch_a_group_last_ran_at(last, want):
+    """A group not serving now is read at the stretch it last served at, as the engines
+    are at theirs: one that streamed 2x its curve when it last served (TPOT 136 ms
+    there) is no goodput gain over DP, whatever its quiet points say. Before, the group
+    was read at its quiet points (no stretch now) and the switch was taken."""
+    costs = replace(S58_DP, stretch_last={2: last} if last else {})
+    chooser = LayoutChooser(2, (2,), 10.0, 0.10, 8187, joins=True)
+    chooser.since = S58_TRAFFIC.now - 2 * DWELL_S
+    got = chooser.choose(S58_TRAFFIC.now, costs, S58_TRAFFIC, 6, 0,
+                         Slo(ttft_ms=2812.1, tpot_ms=46.9), SwitchCosts(5.4, 49.4))
+    assert got.layout.name == want, got.reason
+    if want == "2xDP":
+        assert "not better at the costs the steps run at now" in got.reason
