@@ -38,7 +38,7 @@ keeps or changes its layout:
   tails alone only past ``TAIL_LEAVE`` (above the bar to enter it), at the rate and at
   the upper edge of its band (where DP's tail is longest), and only for DP; it is left
   for DP too where its groups stream slower than DP engines at the costs the steps ran
-  at (``_streams_slower``);
+  at (``_streams_slower``), seen at evaluations ``SLOW_FOR_S`` apart;
 - the layouts are evaluated at most every ``EVALUATE_S`` (requests in between take
   the current layout); with the ranking's capacity cache a decision costs
   microseconds.
@@ -88,6 +88,12 @@ TAIL_MIN_ARRIVALS = 10
 #: slower than DP engines (TPOT) for no goodput gain; it is entered for latency only
 #: where they are predicted to stream no slower (``_streams_slower``).
 TPOT_LEAVE = 0.05
+#: ... and only where that held at two evaluations this far apart (seconds): a
+#: group's steps for one request after an idle spell can run 1.4x its curve (session
+#: 58, three-peak, hidden 512: the quiet phase's first request after a burst; the first
+#: quiet phase's ran at its curve), and the memory of it kept the node out of the group
+#: for the rest of the trace, where static TP served every phase better than static DP.
+SLOW_FOR_S = 5.0
 #: Where no layout serves anything within SLO at the rate read, the layouts are
 #: compared this many standard errors below it, the first edge where one does
 #: (``_lower_edge``); beyond three the rate read is not where the node is. Half steps:
@@ -136,6 +142,7 @@ class LayoutChooser(LayoutRanking):
         self._credit: dict[int, float] = {}
         self._last: Choice | None = None
         self._evaluated = float("-inf")
+        self._slow_since: float | None = None  # the groups first seen streaming slower
 
     def choose(self, now: float, costs: Costs, traffic: Traffic, running: int, queued: int,
                slo: Slo, switch: SwitchCosts) -> Choice:
@@ -224,7 +231,8 @@ class LayoutChooser(LayoutRanking):
         """The current layout with groups, serving now (its degree's stretch measured
         lately) and past its dwell, left for DP where its groups stream slower
         (``_streams_slower`` by ``TPOT_LEAVE``) and the quiet costs (``quiet``) do not
-        put it ahead on goodput either; None to decide as usual. Running group requests
+        put it ahead on goodput either, both at evaluations ``SLOW_FOR_S`` apart and at
+        each one between; None to decide as usual. Running group requests
         move to DP, as for the tails rule.
 
         Near a layout's capacity the predictions at stretched costs fall off a cliff (a
@@ -238,7 +246,13 @@ class LayoutChooser(LayoutRanking):
                 quiet[self.current].goodput - quiet[dp].goodput > \
                 goodput_margin(quiet[dp].goodput, traffic.rate) or \
                 not self._streams_slower(self.current, costs, traffic, queued, slo, TPOT_LEAVE):
+            self._slow_since = None
             return None
+        if self._slow_since is None:
+            self._slow_since = now
+        if now - self._slow_since < SLOW_FOR_S:
+            return None
+        self._slow_since = None
         old, self.current, self.since = self.current, self.candidates[0], now
         return Choice(self.current, f"goodput: {old.name} -> {self.current.name} (its groups stream "
                       "slower than DP at the costs the steps run at now)", briefs)
