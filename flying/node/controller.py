@@ -175,7 +175,7 @@ def _binds(controller, req, issuer, marker, found) -> tuple[list[tuple[int, Bind
             return [], False
     elif not degree and not feature and cfg.policy == "adaptive":
         # the group's leader reports it
-        decision = _adaptive(controller, req, found.tokens if found else 0)
+        decision = _adaptive(controller, req, found)
         if decision is not None and decision.turn:
             return [], True
         degree = decision.degree if decision is not None and decision.mode == "tp" else 0
@@ -282,7 +282,7 @@ def _groups_open(controller) -> bool:
     return controller._flying_gate.open()
 
 
-def _decide(controller, req, priority: int, turn_tokens: int = 0):
+def _decide(controller, req, priority: int, turn_tokens: int = 0, turn_held: bool = True):
     """The policy's decision for ``req`` from the engines' loads and measured step
     costs, appended to the decision log when one is configured."""
     from flying.node.placement import loads_of, request_of
@@ -294,7 +294,7 @@ def _decide(controller, req, priority: int, turn_tokens: int = 0):
     traffic = replace(controller._flying_arrivals.traffic(time.monotonic()),
                       continued=turns.continued_share(controller))
     request = request_of(len(req.input_ids or ()), req.sampling_params, priority, 0,
-                         turn_tokens=turn_tokens)
+                         turn_tokens=turn_tokens, turn_held=turn_held)
     had_slo, was = policy.slo, policy.chooser.current if policy.chooser else None
     decision = policy.decide(request, loads, costs, traffic, switch)
     if policy.slo is not None and had_slo is None:
@@ -325,12 +325,15 @@ def _priority_pays(controller, req) -> bool:
     return False
 
 
-def _adaptive(controller, req, turn_tokens: int):
-    """The adaptive policy's decision for ``req``; None before the start-up probe
-    opens the groups (SGLang's dispatch then places it)."""
+def _adaptive(controller, req, found):
+    """The adaptive policy's decision for ``req`` (``found``: its conversation lookup,
+    None if not looked up); None before the start-up probe opens the groups (SGLang's
+    dispatch then places it)."""
     if _policy(controller) is None or not _groups_open(controller):
         return None
-    return _decide(controller, req, int(req.priority or 0), turn_tokens)
+    turn = found.turn if found is not None else None
+    return _decide(controller, req, int(req.priority or 0), turn.tokens if turn else 0,
+                   turn is None or turn.rank >= 0)
 
 
 def _costs(controller) -> costs_reader.CostsReader:

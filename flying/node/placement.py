@@ -117,7 +117,7 @@ def max_new_tokens(sampling_params) -> int | None:
 
 def request_of(
     prompt_len: int, sampling_params, priority, explicit_degree: int, dp_only: str = "",
-    turn_tokens: int = 0,
+    turn_tokens: int = 0, turn_held: bool = True,
 ) -> Request:
     """The policy's view of one request (the DP controller's: the HTTP process has
     already refused a bad SLO value with a 400; one that slips through counts as none)."""
@@ -134,6 +134,7 @@ def request_of(
         slo_ttft_ms=ttft,
         slo_tpot_ms=tpot,
         turn_tokens=turn_tokens,
+        turn_held=turn_held,
     )
 
 

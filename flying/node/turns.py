@@ -56,14 +56,16 @@ def look_up(controller, req) -> Lookup | None:
 
 def uncached(found: Lookup) -> int:
     """The prompt tokens ``found``'s request prefills where it runs in DP: a turn
-    (``is_turn``) only what follows its history, which the engine holding its
-    conversation has cached (``place`` sends it there); any other prompt all of them. What the arrival estimate counts as a request's
-    prompt: the layouts' service is predicted from it, and the policy's cost model
-    sees no cached prefixes otherwise (under chat traffic it charged each turn's whole
-    history, put DP's TPOT at 233 ms where it streamed 80, and kept choosing a group
-    for turns that each then ran in DP)."""
-    if found.turn is not None and is_turn(found.turn.tokens, found.prompt_len):
-        return found.prompt_len - found.turn.tokens
+    (``is_turn``) whose history one engine holds only what follows it (``place`` sends
+    it there); any other prompt all of them (a history that ran in a group is cached
+    nowhere). What the arrival estimate counts as a request's prompt: the layouts'
+    service is predicted from it, and the policy's cost model sees no cached prefixes
+    otherwise (under chat traffic it charged each turn's whole history, put DP's TPOT
+    at 233 ms where it streamed 80, and kept choosing a group for turns that each then
+    ran in DP)."""
+    turn = found.turn
+    if turn is not None and turn.rank >= 0 and is_turn(turn.tokens, found.prompt_len):
+        return found.prompt_len - turn.tokens
     return found.prompt_len
 
 

@@ -177,12 +177,15 @@ def test_a_request_slo_only_a_group_meets_runs_in_the_group(
 def test_a_conversation_s_turns_run_on_the_engine_that_holds_it(fast_group_server,
                                                                  demo_model_dir):
     """A chat sends each turn as the whole history plus a new message. Where the group
-    is faster, the first turn runs in it (nothing is cached anywhere); each later turn
-    runs in DP on one engine (``scheduler.conversations``), which from the third turn on
-    finds the whole previous turn in its prefix cache. A group's cache ends with its
-    session, and SGLang's round robin would send consecutive turns to different
-    engines: the previous turn would not be cached. Then a new conversation's first
-    prompt runs in DP as chat traffic. Tokens equal transformers'."""
+    is faster, the first turn runs in it (nothing is cached anywhere), and so does the
+    second: its history ran in a group, whose cache ends with its session, so no engine
+    holds it, and one conversation is no chat traffic yet. From then on a prompt long
+    enough to be continued has been continued every time (chat traffic): the third turn
+    runs in DP (SGLang's dispatch places it) and the fourth on the same engine
+    (``scheduler.conversations``), finding the whole third turn in its prefix cache
+    (SGLang's round robin would have sent it to the other engine). Then a new
+    conversation's first prompt runs in DP as chat traffic. Tokens equal
+    transformers'."""
     history = prompts(1, 300, seed=41)[0]
     before = len(_decisions(fast_group_server))
     placed, cached, previous = [], [], 0
@@ -194,14 +197,15 @@ def test_a_conversation_s_turns_run_on_the_engine_that_holds_it(fast_group_serve
         cached.append((body["meta_info"]["cached_tokens"], previous))
         previous = len(ids) + 8 - 1  # the previous turn's prompt and answer, cached
         history = ids + body["output_ids"]
-    assert placed[0]["mode"] == "tp", placed
-    assert [p["mode"] for p in placed[1:]] == ["dp"] * 3, placed
-    assert len({p["ranks"][0] for p in placed[1:]}) == 1, placed  # one engine
-    for got, prev in cached[2:]:
-        assert got >= prev, cached
+    assert [p["mode"] for p in placed] == ["tp", "tp", "dp", "dp"], placed
+    assert len({p["ranks"][0] for p in placed[2:]}) == 1, placed  # one engine
+    got, prev = cached[3]
+    assert got >= prev, cached
     lines = _decisions(fast_group_server)[before:]
     reasons = [line["decision"]["reason"] for line in lines]
-    assert all("a conversation's turn" in r for r in reasons[1:]), reasons
+    assert "a conversation's turn" not in reasons[1], reasons
+    assert all("a conversation's turn" in r for r in reasons[2:]), reasons
+    assert [line["request"]["turn_held"] for line in lines[1:]] == [False, False, True], lines
     assert all(line["request"]["turn_tokens"] >= 320 for line in lines[1:]), lines
     # chat traffic (every long first prompt so far was continued): a new conversation's
     # first prompt runs in DP too, where its next turn will find it cached

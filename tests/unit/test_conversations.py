@@ -3,7 +3,9 @@ adaptive policy's rule that a turn runs in DP (``scheduler.conversations``)."""
 
 from __future__ import annotations
 
+import json
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -129,6 +131,28 @@ def test_the_adaptive_policy_runs_a_turn_in_dp_where_it_would_form_a_group():
     # too little history, or a turn the policy puts in DP anyway: unchanged
     assert p.decide(Request(600, 32, turn_tokens=192), IDLE, FAST).mode == "tp"
     assert p.decide(Request(600, 32, turn_tokens=512), IDLE, Costs({1: 10.0, 2: 12.0})).mode == "dp"
+
+
+def test_a_turn_whose_history_ran_in_a_group_keeps_its_group_but_under_chat_traffic():
+    """No engine holds a history that ran in a group (its cache ends with the session):
+    in DP the turn would prefill it all beside the groups. It runs in DP only under chat
+    traffic, where its next turn is likely and finds it cached there (session 58:
+    SGLang's random-ids benchmark repeats a prompt now and then, and nine repeats of
+    one round ran in DP beside a TP-2 group)."""
+    p = Policy(PolicyConfig("adaptive", slo_ttft_ms=5000.0, slo_tpot_ms=30.0).validate(), NODE)
+    req = Request(600, 32, turn_tokens=512, turn_held=False)
+    calm = Traffic(100.0, 0.2, 0.2, 600, 32, n_short=3, n_long=3, continued=0.1)
+    assert p.decide(req, IDLE, FAST, calm, SwitchCosts()).mode == "tp"
+    chat = replace(calm, continued=CHAT_SHARE)
+    d = p.decide(req, IDLE, FAST, chat, SwitchCosts())
+    assert d.mode == "dp" and d.turn and "a conversation's turn" in d.reason, d.reason
+    held = p.decide(Request(600, 32, turn_tokens=512), IDLE, FAST, calm, SwitchCosts())
+    assert held.mode == "dp" and held.turn, held.reason
+    lines = [record(req, IDLE, p.decide(req, IDLE, FAST, calm, SwitchCosts()), FAST, calm,
+                    SwitchCosts())]
+    assert json.loads(lines[0])["request"]["turn_held"] is False
+    assert replay(lines, PolicyConfig("adaptive", slo_ttft_ms=5000.0, slo_tpot_ms=30.0),
+                  NODE) == (1, [])
 
 
 def test_under_chat_traffic_a_first_prompt_runs_in_dp_too():
@@ -271,6 +295,9 @@ def test_a_turn_counts_in_the_arrival_estimate_by_the_tokens_it_prefills():
     assert turns.uncached(found) == 400
     flying_controller._note_arrival(controller, first, found)
     turns.place(controller, first, found, in_group=False, turn=False)
+    mark = turns.round_robin_mark(controller)
+    controller.round_robin_counter += 1  # SGLang's round robin sent it to an engine
+    turns.learn(controller, first, mark)
     second = SimpleNamespace(rid="b", input_ids=first.input_ids + tokens(100, 12),
                              routed_dp_rank=None, sampling_params={"max_new_tokens": 8})
     found = turns.look_up(controller, second)
@@ -281,3 +308,9 @@ def test_a_turn_counts_in_the_arrival_estimate_by_the_tokens_it_prefills():
     turns.place(controller, short, turns.look_up(controller, short), in_group=False, turn=False)
     found = turns.look_up(controller, SimpleNamespace(input_ids=short.input_ids + [5] * 200))
     assert found.turn is not None and turns.uncached(found) == 3 * BLOCK + 200  # no turn
+    # a history that ran in a group (no engine holds it) is prefilled whole
+    grouped = SimpleNamespace(rid="d", input_ids=tokens(400, 14))
+    turns.place(controller, grouped, turns.look_up(controller, grouped), in_group=True,
+                turn=False)
+    found = turns.look_up(controller, SimpleNamespace(input_ids=grouped.input_ids + [5] * 100))
+    assert found.turn is not None and found.turn.rank < 0 and turns.uncached(found) == 500
