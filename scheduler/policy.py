@@ -374,9 +374,9 @@ def _as_turn(req: Request, decision: Decision, traffic: Traffic | None = None) -
       likely and finds it cached: otherwise no engine's cache serves it, and in DP it
       runs beside the groups, every step of its engine's a pause of its group's
       (SGLang's random-ids benchmark repeats a prompt now and then: on the
-      hidden-1024 model at 1.5 req/s, session 58, nine such prompts of one round ran in
-      DP beside a TP-2 group, TPOT p50 1.22x and ITL p50 1.58x groups off that round,
-      0.67-0.82x in the two rounds without them);
+      hidden-1024 model at 1.5 req/s, session 58, 2-6 such prompts a round ran in DP
+      beside a TP-2 group, and from the first of them the round's requests streamed
+      at 2-2.8x the ITL of its earlier ones: TPOT p50 1.22x groups off in round 3);
     - under chat traffic (``traffic.continued`` >= ``CHAT_SHARE``), a first prompt long
       enough to be continued: in a group it saves at most half its prefill, and its next
       turn, finding it cached nowhere, pays all of it again (SGLang's dispatch places it,
