@@ -231,8 +231,9 @@ class LayoutChooser(LayoutRanking):
         """The current layout with groups, serving now (its degree's stretch measured
         lately) and past its dwell, left for DP where its groups stream slower
         (``_streams_slower`` by ``TPOT_LEAVE``) and the quiet costs (``quiet``) do not
-        put it ahead on goodput either, both at evaluations ``SLOW_FOR_S`` apart and at
-        each one between; None to decide as usual. Running group requests
+        put it ahead on goodput either, both at evaluations ``SLOW_FOR_S`` apart since
+        the layout was taken and at each one between that compared the layouts at the
+        rate read; None to decide as usual. Running group requests
         move to DP, as for the tails rule.
 
         Near a layout's capacity the predictions at stretched costs fall off a cliff (a
@@ -248,7 +249,7 @@ class LayoutChooser(LayoutRanking):
                 not self._streams_slower(self.current, costs, traffic, queued, slo, TPOT_LEAVE):
             self._slow_since = None
             return None
-        if self._slow_since is None:
+        if self._slow_since is None or self._slow_since < self.since:  # not this layout's
             self._slow_since = now
         if now - self._slow_since < SLOW_FOR_S:
             return None

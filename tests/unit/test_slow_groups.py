@@ -210,3 +210,19 @@ def test_one_slow_evaluation_does_not_leave_a_group():
     at = replace(S56_TRAFFIC, now=S56_TRAFFIC.now + 2 * SLOW_FOR_S + 0.5)
     got = chooser.choose(at.now, costs(1.5), at, 2, 0, SLO, SwitchCosts(0.95, 10.0))
     assert got.layout == DP and "stream slower" in got.reason
+
+
+def test_a_slow_sight_before_the_layout_was_taken_again_does_not_count():
+    """Seen streaming slower, then the layout left and taken again (by rules that do
+    not look at it, as past saturation): the count starts at the layout's new start."""
+    costs = Costs(S56_SERVING.decode_ms, S56_SERVING.curves, {2: 1.5},
+                  S56_SERVING.live_ms, S56_SERVING.live_low_ms)
+    chooser = _chooser(TP)
+    assert chooser.choose(S56_TRAFFIC.now, costs, S56_TRAFFIC, 2, 0, SLO,
+                          SwitchCosts(0.95, 10.0)).layout == TP
+    chooser.since = S56_TRAFFIC.now + 1.0  # taken again 1 s later, no evaluation since
+    at = replace(S56_TRAFFIC, now=chooser.since + DWELL_S + 0.5)
+    assert chooser.choose(at.now, costs, at, 2, 0, SLO, SwitchCosts(0.95, 10.0)).layout == TP
+    at = replace(at, now=at.now + SLOW_FOR_S)
+    got = chooser.choose(at.now, costs, at, 2, 0, SLO, SwitchCosts(0.95, 10.0))
+    assert got.layout == DP and "stream slower" in got.reason
