@@ -29,12 +29,17 @@ PROBING, OPEN = "probing", "open"
 PROBE_TOKENS = 16
 #: Token ids of the probe prompt: plain ids every tokenizer of a real model has.
 PROBE_PROMPT = [11, 42, 7, 300, 5, 99, 64, 128, 3, 250, 17, 81]
-#: Calibration (after the probe, before the gate opens): per mode, one request alone and
-#: then CALIBRATE_BATCH concurrent requests per engine of the mode's server, each with a
-#: CALIBRATE_PROMPT-token prompt, so each mode's cost curves (``scheduler.costs``) have a decode point beyond
-#: batch 1 and a prefill point at a real prompt length, measured on the same quiet
-#: machine for every mode; traffic fills in the rest.
-CALIBRATE_BATCH, CALIBRATE_PROMPT, CALIBRATE_TOKENS = 4, 128, 12
+#: Calibration (after the probe, before the gate opens): per mode, one request alone (a
+#: prefill of a CALIBRATE_PROMPT-token prompt), then CALIBRATE_BATCH concurrent requests on
+#: each engine of the mode's server (one group for a TP mode) whose lengths are staggered
+#: by CALIBRATE_STEPS tokens, so the batch runs CALIBRATE_STEPS steps at 4 requests, then
+#: at 3, 2 and 1 as they finish: each mode's decode curve (``scheduler.costs``) gets a
+#: point at every batch size up to 4, measured on the same quiet machine for every mode.
+#: Measured, not interpolated, because this CPU's steps are not linear there (hidden-1024
+#: model, quiet: TP-2 22.5 / 37.1 / 43.8 / 35.1 ms at batch 1 / 2 / 3 / 4, one engine
+#: 32 / 57 / 83 / 67): a line from batch 1 to 4 read batches 2-3 25-34 % low. Traffic
+#: fills in the rest.
+CALIBRATE_BATCH, CALIBRATE_PROMPT, CALIBRATE_STEPS = 4, 128, 8
 
 _SECRET = secrets.token_hex(16)  # HTTP process only; never leaves it
 _STATE = {"gate": PROBING}
@@ -99,34 +104,46 @@ def _counts(url: str) -> tuple[int, int]:
 
 
 def _ask(url: str, degree: int, prompt: list[int] = PROBE_PROMPT,
-         tokens: int = PROBE_TOKENS) -> list[int]:
+         tokens: int = PROBE_TOKENS, engine: int | None = None) -> list[int]:
     import requests
 
     headers = {"X-Flying-TP": str(degree), PROBE_HEADER: _SECRET} if degree > 1 else {}
-    resp = requests.post(url + "/generate", json={
+    body: dict = {
         "input_ids": prompt,
         "sampling_params": {"max_new_tokens": tokens, "temperature": 0, "ignore_eos": True},
-    }, headers=headers, timeout=300)
+    }
+    if engine is not None:
+        body["routed_dp_rank"] = engine
+    resp = requests.post(url + "/generate", json=body, headers=headers, timeout=300)
     if resp.status_code != 200:
         raise RuntimeError(f"HTTP {resp.status_code}: {resp.text[:200]}")
     return resp.json()["output_ids"]
 
 
+def calibration_asks(degree: int, engines: int) -> list[tuple[int | None, int]]:
+    """The staggered batch of one mode: (engine or None, max_new_tokens) per request.
+    DP names each request's engine (``routed_dp_rank``) so every engine runs the whole
+    stagger; a TP mode sends one stagger to its group."""
+    lengths = [CALIBRATE_STEPS * (k + 1) for k in range(CALIBRATE_BATCH)]
+    if degree == 1:
+        return [(e, n) for e in range(engines) for n in lengths]
+    return [(None, n) for n in lengths]
+
+
 def calibrate(url: str, degrees: list[int], engines: int) -> None:
-    """Step-cost calibration: for DP and each degree, a burst of concurrent requests
-    (``CALIBRATE_BATCH`` per server: DP spreads them over ``engines``); the engines time
-    the steps (``flying.session.step_costs``). Never raises: the curves are advice."""
+    """Step-cost calibration: for DP and each degree, a prompt alone (its prefill) and a
+    staggered batch (``calibration_asks``); the engines time the steps
+    (``flying.session.step_costs``). Never raises: the curves are advice."""
     from concurrent.futures import ThreadPoolExecutor
 
     prompt = [PROBE_PROMPT[i % len(PROBE_PROMPT)] + i % 7 for i in range(CALIBRATE_PROMPT)]
     started = time.monotonic()
     try:
         for degree in (1, *degrees):
-            _ask(url, degree, prompt, CALIBRATE_TOKENS)  # alone: a prefill of the prompt
-            n = CALIBRATE_BATCH * (engines if degree == 1 else 1)
-            with ThreadPoolExecutor(n) as pool:
-                list(pool.map(lambda _, d=degree: _ask(url, d, prompt, CALIBRATE_TOKENS),
-                              range(n)))
+            _ask(url, degree, prompt, 2)  # alone: a prefill of the prompt
+            asks = calibration_asks(degree, engines)
+            with ThreadPoolExecutor(len(asks)) as pool:
+                list(pool.map(lambda a, d=degree: _ask(url, d, prompt, a[1], a[0]), asks))
     except Exception as exc:  # noqa: BLE001
         logger.warning("Flying: step-cost calibration incomplete: %s", exc)
     logger.info("Flying: step costs calibrated in %.1f s", time.monotonic() - started)
