@@ -2,7 +2,7 @@
 
 The project's promise is that Flying's defaults never leave a node worse than plain
 SGLang (design invariant 8). This tool checks it the way a new user would: it starts two
-servers on the same model, both up for the whole run,
+servers on the same model (groups off first: ``START_ORDER``), both up for the whole run,
 
 - ``flying``: ``python -m flying.launch`` with Flying's defaults,
 - ``groups-off``: the same with ``--flying-tp-degrees none`` (SGLang's own DP controller),
@@ -38,6 +38,12 @@ from workloads.measure.server import Server, start_server
 
 DEFAULT_SERVER_ARGS = "--dp-size 2"
 SYSTEMS = {"flying": [], "groups-off": ["--flying-tp-degrees", "none"]}
+#: The order the servers start in: groups off first. Two identical servers (both groups
+#: off, ``--flying-args "--flying-tp-degrees none"``) read the first-started one
+#: 0.78-0.96x the second in the medians of every latency figure (demo model, 6 req/s,
+#: 3 rounds, 2026-11-29), in both round orders; started first, the baseline gets
+#: whatever advantage that is, not Flying.
+START_ORDER = ("groups-off", "flying")
 
 #: (key in SGLang's result line, label, True if higher is better)
 FIGURES = [
@@ -79,11 +85,11 @@ def prepare(args: argparse.Namespace, tool: str) -> Path:
 
 def start_systems(model_path: str, server_args: str, out: Path, own: dict[str, str],
                   servers: dict[str, Server], say=log) -> None:
-    """Start every system of ``SYSTEMS`` on ``model_path`` into ``servers`` (the caller
-    stops them, also those started before a failure): ``server_args`` for both, ``own``
-    per system (name -> extra flags)."""
-    for name, extra in SYSTEMS.items():
-        args = ["--model-path", model_path, *shlex.split(server_args), *extra,
+    """Start every system of ``SYSTEMS`` on ``model_path`` into ``servers``, in
+    ``START_ORDER`` (the caller stops them, also those started before a failure):
+    ``server_args`` for both, ``own`` per system (name -> extra flags)."""
+    for name in START_ORDER:
+        args = ["--model-path", model_path, *shlex.split(server_args), *SYSTEMS[name],
                 *shlex.split(own.get(name, ""))]
         say(f"starting {name}: python -m flying.launch {shlex.join(args)}")
         servers[name], ready_s = start_server(args, out / f"{name}.server.log", retries=1)
