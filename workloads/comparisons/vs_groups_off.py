@@ -18,7 +18,7 @@ CLI::
 
     python -m workloads.vs_groups_off [--model-path DIR] [--rate 6] [--num-prompts 120] \\
         [--input-len 128] [--output-len 64] [--rounds 2] [--server-args "--dp-size 2"] \\
-        [--out DIR]
+        [--restart-swapped] [--out DIR]
 """
 
 from __future__ import annotations
@@ -84,15 +84,17 @@ def prepare(args: argparse.Namespace, tool: str) -> Path:
 
 
 def start_systems(model_path: str, server_args: str, out: Path, own: dict[str, str],
-                  servers: dict[str, Server], say=log) -> None:
+                  servers: dict[str, Server], say=log,
+                  order: Sequence[str] = START_ORDER, tag: str = "") -> None:
     """Start every system of ``SYSTEMS`` on ``model_path`` into ``servers``, in
-    ``START_ORDER`` (the caller stops them, also those started before a failure):
-    ``server_args`` for both, ``own`` per system (name -> extra flags)."""
-    for name in START_ORDER:
+    ``order`` (the caller stops them, also those started before a failure):
+    ``server_args`` for both, ``own`` per system (name -> extra flags); server logs
+    ``<name><tag>.server.log``."""
+    for name in order:
         args = ["--model-path", model_path, *shlex.split(server_args), *SYSTEMS[name],
                 *shlex.split(own.get(name, ""))]
         say(f"starting {name}: python -m flying.launch {shlex.join(args)}")
-        servers[name], ready_s = start_server(args, out / f"{name}.server.log", retries=1)
+        servers[name], ready_s = start_server(args, out / f"{name}{tag}.server.log", retries=1)
         say(f"{name} ready in {ready_s:.0f} s at {servers[name].url}")
 
 
@@ -147,6 +149,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=2, help="alternating rounds per system")
     p.add_argument("--out", help="output directory (default results/vs-groups-off-<time>)")
     p.add_argument("--timeout", type=float, default=900.0, help="limit per benchmark run, s")
+    p.add_argument("--restart-swapped", action="store_true",
+                   help="restart both servers after half the rounds (rounded up), started "
+                        "in the other order, so the first-started server's advantage falls "
+                        "on both systems (rounds.json says which started first per round; a "
+                        "--flying-decision-log is rewritten by the second start)")
     return p.parse_args(argv)
 
 
@@ -155,10 +162,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     out = prepare(args, "vs-groups-off")
     servers: dict[str, Server] = {}
     results: dict[str, list[dict[str, Any]]] = {name: [] for name in SYSTEMS}
+    own = {"flying": args.flying_args, "groups-off": args.off_args}
+    half = (args.rounds + 1) // 2 if args.restart_swapped else args.rounds
+    first: list[str] = []  # per round: the server started first
+    starts: Sequence[str] = START_ORDER
     try:
-        start_systems(args.model_path, args.server_args, out,
-                      {"flying": args.flying_args, "groups-off": args.off_args}, servers)
         for rnd in range(args.rounds):
+            if rnd in (0, half):
+                for server in servers.values():
+                    server.stop()
+                servers.clear()
+                starts = START_ORDER if rnd == 0 else tuple(reversed(START_ORDER))
+                start_systems(args.model_path, args.server_args, out, own, servers,
+                              order=starts, tag="" if rnd == 0 else ".swapped")
+            first.append(starts[0])
             order = list(SYSTEMS) if rnd % 2 == 0 else list(reversed(SYSTEMS))
             for name in order:
                 res_path = out / f"{name}.round{rnd}.jsonl"
@@ -175,6 +192,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         for server in servers.values():
             server.stop()
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out / "rounds.json").write_text(json.dumps({"started_first": first}) + "\n")
     text = table(results)
     (out / "table.md").write_text(text + "\n")
     print(text)
