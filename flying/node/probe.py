@@ -140,7 +140,7 @@ def calibrate(url: str, degrees: list[int], engines: int) -> None:
     started = time.monotonic()
     try:
         for degree in (1, *degrees):
-            _ask(url, degree, prompt, 2)  # alone: a prefill of the prompt
+            _ask(url, degree, prompt, tokens=2)  # alone: a prefill of the prompt
             asks = calibration_asks(degree, engines)
             with ThreadPoolExecutor(len(asks)) as pool:
                 list(pool.map(lambda a, d=degree: _ask(url, d, prompt, a[1], a[0]), asks))

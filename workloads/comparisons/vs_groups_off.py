@@ -39,10 +39,10 @@ from workloads.measure.server import Server, start_server
 DEFAULT_SERVER_ARGS = "--dp-size 2"
 SYSTEMS = {"flying": [], "groups-off": ["--flying-tp-degrees", "none"]}
 #: The order the servers start in: groups off first. Two identical servers (both groups
-#: off, ``--flying-args "--flying-tp-degrees none"``) read the first-started one
-#: 0.78-0.96x the second in the medians of every latency figure (demo model, 6 req/s,
-#: 3 rounds, 2026-11-29), in both round orders; started first, the baseline gets
-#: whatever advantage that is, not Flying.
+#: off, ``--flying-args "--flying-tp-degrees none"``) read the first-started one 1-22 %
+#: faster in the medians of the latency figures, in two runs with either start order
+#: (demo model, 6 req/s, 3 rounds, 2026-11-29); started first, the baseline gets
+#: whatever advantage that is, not Flying (``--restart-swapped`` balances it).
 START_ORDER = ("groups-off", "flying")
 
 #: (key in SGLang's result line, label, True if higher is better)
