@@ -34,6 +34,7 @@ from workloads.comparisons.vs_groups_off import (
     SYSTEMS,
     prepare,
     start_systems,
+    stop_all,
 )
 from workloads.measure.server import Server
 
@@ -143,8 +144,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                     + " ".join(f"{r['ttft_ms']:.0f}" for r in got) + " ms, cached "
                     + " ".join(str(r["cached"]) for r in got))
     finally:
-        for server in servers.values():
-            server.stop()
+        stop_all(servers)
     (out / "turns.json").write_text(json.dumps(rows, indent=1) + "\n")
     text = table(rows)
     (out / "table.md").write_text(text + "\n")

@@ -98,6 +98,13 @@ def start_systems(model_path: str, server_args: str, out: Path, own: dict[str, s
         say(f"{name} ready in {ready_s:.0f} s at {servers[name].url}")
 
 
+def stop_all(servers: dict[str, Server]) -> None:
+    """Stop every server in ``servers`` and forget them."""
+    for server in servers.values():
+        server.stop()
+    servers.clear()
+
+
 def bench_command(url: str, args: argparse.Namespace, seed: int, out: Path) -> list[str]:
     """SGLang's serving benchmark as a new user would run it (random ids, Poisson)."""
     host, port = url.removeprefix("http://").rsplit(":", 1)
@@ -169,9 +176,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         for rnd in range(args.rounds):
             if rnd in (0, half):
-                for server in servers.values():
-                    server.stop()
-                servers.clear()
+                stop_all(servers)
                 starts = START_ORDER if rnd == 0 else tuple(reversed(START_ORDER))
                 start_systems(args.model_path, args.server_args, out, own, servers,
                               order=starts, tag="" if rnd == 0 else ".swapped")
@@ -189,8 +194,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                     f"ITL max {result['max_itl_ms']:.1f} ms, "
                     f"{result['output_throughput']:.1f} tok/s")
     finally:
-        for server in servers.values():
-            server.stop()
+        stop_all(servers)
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     (out / "rounds.json").write_text(json.dumps({"started_first": first}) + "\n")
     text = table(results)
