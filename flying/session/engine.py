@@ -55,13 +55,15 @@ __all__ = ["DP", "FlyingEngine", "Mode", "get_engine", "set_engine"]
 
 #: How long the leader waits for the group's members to reach a step boundary.
 DEFAULT_BIND_TIMEOUT_S = 30.0
-#: How often a busy engine (DP or in a session) refreshes its published status: half
+#: How often a busy engine (DP or in a session) refreshes its published status, and
+#: the least gap between two writes that are not events (``StatusWriter.min_gap_s``):
 #: the DP controller's costs refresh (``flying.node.costs_reader.REFRESH_S``), which is
-#: what reads it while serving. Each refresh builds the document and wakes the writer
-#: thread (a GIL hand-off on a loaded core): at 0.1 s that was ~0.4 % of a busy
-#: engine's samples (``workloads.bench_hooks``, decode steps ~3 ms), over a third of
-#: Flying's per-step share.
-STATUS_EVERY_S = 0.25
+#: what reads it while serving, so a document it reads is at most two refreshes old.
+#: Each refresh builds the document and wakes the writer thread (a GIL hand-off on a
+#: loaded core): at 0.1 s that was ~0.4 % of a busy engine's samples, at 0.25 s the
+#: writer was still half of Flying's 1.4 % (``workloads.bench_hooks``, demo model,
+#: 16 clients, session 59).
+STATUS_EVERY_S = 0.5
 #: How long an event's status publish waits for its writer before going on.
 STATUS_FLUSH_S = 2.0
 
@@ -375,15 +377,19 @@ class FlyingEngine(Lifecycle, Drain):
             return
         # On falling idle and on a change of mode too: work that starts and ends
         # between two timed refreshes would otherwise never be published (an idle
-        # engine does not step, so nothing refreshes it later).
-        changed = busy != self._published_busy or degree != self._published_degree
+        # engine does not step, so nothing refreshes it later). The writer spaces the
+        # idle falls' writes (``StatusWriter.min_gap_s``), never drops the last one.
+        degree_changed = degree != self._published_degree
+        changed = busy != self._published_busy or degree_changed
         if force or changed or now - self._status_at >= STATUS_EVERY_S:
             self._status_at = now
             self._published_busy, self._published_degree = busy, degree
             if self.status_out is None:
                 status.publish(self.pool.store, self.dp_rank, self, scheduler)
                 return
-            seq = self.status_out.submit(status.document(self.dp_rank, self, scheduler))
+            # events and mode changes now; timed refreshes and idle falls within the gap
+            urgent = force or degree_changed
+            seq = self.status_out.submit(status.document(self.dp_rank, self, scheduler), urgent)
             # An event (bind, release, drain) is in the store before the engine goes
             # on, as when written inline; timed refreshes never wait.
             if force and not self.status_out.flush(seq, STATUS_FLUSH_S):
