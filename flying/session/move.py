@@ -130,7 +130,10 @@ def to_dp(scheduler, s, dp_limit: int, faults=None) -> Moved | None:
         t0 = time.perf_counter()  # agreed: from here on it is the relayout's own cost
         if faults is not None:
             faults.check("move")
-        shards = kv_relayout.exchange(s.member, kv_relayout.read_block(scope.prepared.tp_pool, tp_slots))
+        block = kv_relayout.read_block(scope.prepared.tp_pool, tp_slots)
+        # every request to one member (the usual move): only it needs the others' shards
+        shards = (kv_relayout.gather_to(s.member, block, owners[0]) if len(set(owners)) == 1
+                  else kv_relayout.exchange(s.member, block))
     except BaseException:
         if not scope.entered:
             scope.enter()
@@ -149,10 +152,10 @@ def to_dp(scheduler, s, dp_limit: int, faults=None) -> Moved | None:
         batch.filter_batch(keep_indices=keep)
         _land(scheduler, scope, batch, [reqs[i] for i in keep], [lens[i] for i in keep],
               shards, tokens)
-    peers = len(shards) - 1
+    peers = s.member.group.degree - 1
     return Moved(
         len(keep), sum(lens[i] for i in keep),
-        peers * shards[0].numel() * shards[0].element_size(),
+        peers * block.numel() * block.element_size(),
         (time.perf_counter() - t0) * 1e3, tuple(reqs[i] for i in keep), decision,
     )
 

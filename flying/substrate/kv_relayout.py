@@ -15,8 +15,9 @@ by the caller to the slots written here.
 Shapes: a *shard block* is ``[layers, 2, n, H_kv/f, d]`` (K then V, n tokens in the
 request's token order; ``f = KvSplit.shards``: m, or H_kv when replicated); a *full
 block* is ``[layers, 2, n, H_kv, d]``. Members transfer
-shard blocks (``exchange``): over the group's shared-memory segment in chunks of its
-slot size on one host, over gloo otherwise. The transfer is collective: every member
+shard blocks (``exchange``, or ``gather_to`` where one member takes every row): over the
+group's shared-memory segment in chunks of its slot size on one host, over gloo
+otherwise. The transfer is collective: every member
 calls it with a block of the same shape (lockstep gives every member the same tokens).
 """
 
@@ -152,22 +153,39 @@ def exchange(member, block: torch.Tensor) -> list[torch.Tensor]:
     peer's chunk copied out of the segment straight into its block (one copy in, one
     out per peer); over gloo, one all-gather.
     """
+    return _gather(member, block, None)
+
+
+def gather_to(member, block: torch.Tensor, dst: int) -> list[torch.Tensor] | None:
+    """Every member's ``block`` on TP rank ``dst`` (TP-rank order, its own entry
+    ``block`` itself); None on the other members.
+
+    For a relayout whose rows all land on one member (a move whose requests all go to
+    one engine): over shared memory only the others copy in and only ``dst`` copies
+    out, where ``exchange`` has every member do both (a 1k-token move on the hidden-1024
+    model: 8 MiB that ``dst`` copied in for nobody, 8 MiB each other member copied out
+    and dropped). Over gloo, the all-gather of ``exchange``. Collective: every member
+    calls it with the same ``dst`` and a block of the same shape."""
+    return _gather(member, block, dst)
+
+
+def _gather(member, block: torch.Tensor, dst: int | None) -> list[torch.Tensor] | None:
+    """``exchange`` (``dst`` None: every member gets every block) or ``gather_to``."""
     flat = block.contiguous().view(-1)
-    world = member.group.degree
-    shm = member.shm
-    if shm is not None and flat.is_cpu:
-        me = member.tp_rank
-        outs = [flat if r == me else torch.empty_like(flat) for r in range(world)]
-        per = max(1, shm.slot_bytes // flat.element_size())
-        for start in range(0, flat.numel(), per):
-            views = shm.exchange(flat[start : start + per])
-            for r in range(world):
-                if r != me:
-                    outs[r][start : start + views[r].numel()].copy_(views[r])
-        return [o.view(block.shape) for o in outs]
-    outs = [torch.empty_like(flat) for _ in range(world)]
-    member.pg.allgather([outs], [flat]).wait()
-    return [o.view(block.shape) for o in outs]
+    world, me, shm = member.group.degree, member.tp_rank, member.shm
+    if shm is None or not flat.is_cpu:
+        outs = [torch.empty_like(flat) for _ in range(world)]
+        member.pg.allgather([outs], [flat]).wait()
+        return None if dst not in (None, me) else [o.view(block.shape) for o in outs]
+    reads = dst is None or dst == me
+    outs = [flat if r == me else torch.empty_like(flat) for r in range(world)] if reads else []
+    per = max(1, shm.slot_bytes // flat.element_size())
+    for start in range(0, flat.numel(), per):
+        views = shm.exchange(flat[start : start + per], write=dst != me)
+        for r, out in enumerate(outs):
+            if r != me:
+                out[start : start + views[r].numel()].copy_(views[r])
+    return [o.view(block.shape) for o in outs] if reads else None
 
 
 def broadcast(member, block: torch.Tensor, src: int, part: int | None = None) -> torch.Tensor:

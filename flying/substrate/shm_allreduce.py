@@ -276,11 +276,13 @@ class ShmAllReduce:
             t.copy_(acc)
         return t
 
-    def exchange(self, t: torch.Tensor) -> list[torch.Tensor]:
+    def exchange(self, t: torch.Tensor, write: bool = True) -> list[torch.Tensor]:
         """Every member's ``t`` (same shape and dtype on all; at most ``slot_bytes``), in
         rank order, as views of the segment: read them before this member's next call
-        (a peer overwrites a slot only after this member has published the next one)."""
-        views = self._exchange(t)
+        (a peer overwrites a slot only after this member has published the next one).
+        Without ``write`` this member copies nothing in (``t`` may be a ``meta``
+        tensor; its slot holds stale bytes): a gather that no peer reads it for."""
+        views = self._exchange(t, write)
         self.calls_gather += 1
         return views
 

@@ -148,6 +148,18 @@ def _sums_and_sequence(rank: int, world: int, pg) -> dict:
     for r, got in enumerate(blocks):
         assert got.shape == block.shape
         assert torch.equal(got, torch.arange(n, dtype=torch.float32).view(1, n) + 1000 * r)
+    # A gather to one member (a move whose requests all land there): it alone gets
+    # every block, its own entry its block; on the shared path and over gloo.
+    for shm in (comm, None):
+        member = SimpleNamespace(group=SimpleNamespace(degree=world), tp_rank=rank, shm=shm, pg=pg)
+        for dst in range(world):
+            got = kv_relayout.gather_to(member, block, dst)
+            if rank != dst:
+                assert got is None
+                continue
+            assert shm is None or got[rank].data_ptr() == block.data_ptr()
+            for r, one in enumerate(got):
+                assert torch.equal(one, torch.arange(n, dtype=torch.float32).view(1, n) + 1000 * r)
     # A broadcast: only the source copies in; every member gets the source's bytes.
     src = world - 1
     t = torch.arange(10.0) + 100 * rank if rank == src else torch.empty(10, device="meta")

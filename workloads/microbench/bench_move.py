@@ -4,8 +4,10 @@ One Flying server (``--dp-size 2 --flying-move-to-dp all``). For each context le
 
 - TP -> DP: a TP-2 request with that prompt starts in a group; as soon as it decodes, a
   short DP request arrives and the session hands the request to DP on a member (its
-  KV head shards gathered from the other member). The leader's ``move_ms_sum`` /
-  ``moved_tokens`` / ``moved_bytes`` deltas (``/flying/status``) give the cost.
+  KV head shards gathered from the other member). The ``move_ms_sum`` /
+  ``moved_tokens`` / ``moved_bytes`` deltas (``/flying/status``) of the member that took
+  it give the cost (before session 60 the leader's only: a move onto the other member
+  went uncounted, hence runs of "1/3").
 - DP -> TP: a DP request with that prompt runs on engine 0; a short TP-2 request binds
   the group and the running request joins it (its KV scattered into both members'
   shards). The leader's ``join_ms_sum`` / ``moved_tokens_to_tp`` deltas give the cost.
@@ -71,9 +73,18 @@ def _wait(cond, timeout: float) -> bool:
     return True
 
 
+def _moved_on(before: dict[int, dict], after: dict[int, dict]) -> int | None:
+    """The engine that took a moved request into DP (its ``moved_to_dp`` rose), if any:
+    the member it lands on, which need not be the leader."""
+    return next((r for r in after if after[r]["moved_to_dp"] > before[r]["moved_to_dp"]), None)
+
+
 def _one(server, ids: list[int], to_dp: bool) -> tuple[float, int, int] | None:
-    """One move; (ms, tokens, bytes received by the leader), or None if none happened."""
+    """One move; (ms, tokens, bytes received), or None if none happened. A move to DP is
+    timed on the member that took the request (its copy is on the request's path); a
+    join on the leader."""
     before = _leader(server)
+    engines_before = _engines(server)
     long_kw = {} if to_dp else {"routed_dp_rank": 0}
     long = threading.Thread(
         target=_generate, args=(server, ids, 256, TP2 if to_dp else None), kwargs=long_kw,
@@ -85,16 +96,20 @@ def _one(server, ids: list[int], to_dp: bool) -> tuple[float, int, int] | None:
         raise TimeoutError("the long request did not start")
     time.sleep(0.2)
     _generate(server, ids[:8], 4, None if to_dp else TP2)
-    key = "moved_to_dp" if to_dp else "moved_to_tp"
-    moved = _wait(lambda: _leader(server)[key] > before[key], 10)
+    if to_dp:
+        moved = _wait(lambda: _moved_on(engines_before, _engines(server)) is not None, 10)
+    else:
+        moved = _wait(lambda: _leader(server)["moved_to_tp"] > before["moved_to_tp"], 10)
     long.join(timeout=600)
     if not moved:
         return None
-    after = _leader(server)
     if to_dp:
-        return (after["move_ms_sum"] - before["move_ms_sum"],
-                after["moved_tokens"] - before["moved_tokens"],
-                after["moved_bytes"] - before["moved_bytes"])
+        engines_after = _engines(server)
+        rank = _moved_on(engines_before, engines_after)
+        b, a = engines_before[rank], engines_after[rank]
+        return (a["move_ms_sum"] - b["move_ms_sum"], a["moved_tokens"] - b["moved_tokens"],
+                a["moved_bytes"] - b["moved_bytes"])
+    after = _leader(server)
     return (after["join_ms_sum"] - before["join_ms_sum"],
             after["moved_tokens_to_tp"] - before["moved_tokens_to_tp"], 0)
 
