@@ -56,7 +56,7 @@ __all__ = ["DP", "FlyingEngine", "Mode", "get_engine", "set_engine"]
 #: How long the leader waits for the group's members to reach a step boundary.
 DEFAULT_BIND_TIMEOUT_S = 30.0
 #: How often a busy engine (DP or in a session) refreshes its published status, and
-#: the least gap between two writes that are not events (``StatusWriter.min_gap_s``):
+#: the least gap before a timed refresh is written (``StatusWriter.min_gap_s``):
 #: the DP controller's costs refresh (``flying.node.costs_reader.REFRESH_S``), which is
 #: what reads it while serving, so a document it reads is at most two refreshes old.
 #: Each refresh builds the document and wakes the writer thread (a GIL hand-off on a
@@ -377,18 +377,18 @@ class FlyingEngine(Lifecycle, Drain):
             return
         # On falling idle and on a change of mode too: work that starts and ends
         # between two timed refreshes would otherwise never be published (an idle
-        # engine does not step, so nothing refreshes it later). The writer spaces the
-        # idle falls' writes (``StatusWriter.min_gap_s``), never drops the last one.
-        degree_changed = degree != self._published_degree
-        changed = busy != self._published_busy or degree_changed
+        # engine does not step, so nothing refreshes it later).
+        changed = busy != self._published_busy or degree != self._published_degree
         if force or changed or now - self._status_at >= STATUS_EVERY_S:
             self._status_at = now
             self._published_busy, self._published_degree = busy, degree
             if self.status_out is None:
                 status.publish(self.pool.store, self.dp_rank, self, scheduler)
                 return
-            # events and mode changes now; timed refreshes and idle falls within the gap
-            urgent = force or degree_changed
+            # events, idle falls and mode changes now; a timed refresh waits for the gap.
+            # An idle fall is written at once: a reader that waits for the engine to be
+            # idle (a test, a drain) must not take the document from before the request.
+            urgent = force or changed
             seq = self.status_out.submit(status.document(self.dp_rank, self, scheduler), urgent)
             # An event (bind, release, drain) is in the store before the engine goes
             # on, as when written inline; timed refreshes never wait.

@@ -8,11 +8,9 @@ one not yet written (a status is a snapshot; only the last one matters), and doc
 reach the store in the order they were submitted.
 
 Writes are spaced at least ``min_gap_s`` apart unless a document is urgent (an event:
-a bind, a release, a mode change). On the demo model at 6 req/s an engine falls idle
-and busy again for most requests, and each fall is a document: unspaced, each woke
-this thread (a GIL hand-off on a loaded core) and the launcher's store. Within a gap
-a submit only replaces the pending document, waking nothing; the last one is written
-when the gap ends, so the store still ends at the engine's last state.
+a bind, a release, a mode change, the engine falling idle): a timed refresh submitted
+inside the gap only replaces the pending document, waking nothing, and is written when
+the gap ends, so the store still ends at the engine's last state.
 
 Invariants: the thread uses a TCPStore client of its own (the engine's client carries
 binds and rendezvous and is not safe to share between threads); the engine thread
