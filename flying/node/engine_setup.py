@@ -6,7 +6,7 @@ import logging
 
 from flying.node.config import get_config
 from flying.session import layout_log, status
-from flying.session.engine import STATUS_EVERY_S, FlyingEngine, set_engine
+from flying.session.engine import FlyingEngine, set_engine
 from flying.session.status_writer import StatusWriter
 from flying.substrate.comm_pool import CommPool, connect_store, store_address
 
@@ -46,5 +46,4 @@ def attach(scheduler) -> None:
     set_engine(engine)
     status.publish(pool.store, dp_rank, engine, scheduler)
     # later documents from a thread with its own store client: off the engine's loop
-    engine.status_out = StatusWriter(lambda: connect_store(address), status.key(dp_rank),
-                                     min_gap_s=STATUS_EVERY_S)
+    engine.status_out = StatusWriter(lambda: connect_store(address), status.key(dp_rank))

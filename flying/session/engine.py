@@ -55,9 +55,8 @@ __all__ = ["DP", "FlyingEngine", "Mode", "get_engine", "set_engine"]
 
 #: How long the leader waits for the group's members to reach a step boundary.
 DEFAULT_BIND_TIMEOUT_S = 30.0
-#: How often a busy engine (DP or in a session) refreshes its published status, and
-#: the least gap before a timed refresh is written (``StatusWriter.min_gap_s``):
-#: the DP controller's costs refresh (``flying.node.costs_reader.REFRESH_S``), which is
+#: How often a busy engine (DP or in a session) refreshes its published status: the
+#: DP controller's costs refresh (``flying.node.costs_reader.REFRESH_S``), which is
 #: what reads it while serving, so a document it reads is at most two refreshes old.
 #: Each refresh builds the document and wakes the writer thread (a GIL hand-off on a
 #: loaded core): at 0.1 s that was ~0.4 % of a busy engine's samples, at 0.25 s the
@@ -385,11 +384,7 @@ class FlyingEngine(Lifecycle, Drain):
             if self.status_out is None:
                 status.publish(self.pool.store, self.dp_rank, self, scheduler)
                 return
-            # events, idle falls and mode changes now; a timed refresh waits for the gap.
-            # An idle fall is written at once: a reader that waits for the engine to be
-            # idle (a test, a drain) must not take the document from before the request.
-            urgent = force or changed
-            seq = self.status_out.submit(status.document(self.dp_rank, self, scheduler), urgent)
+            seq = self.status_out.submit(status.document(self.dp_rank, self, scheduler))
             # An event (bind, release, drain) is in the store before the engine goes
             # on, as when written inline; timed refreshes never wait.
             if force and not self.status_out.flush(seq, STATUS_FLUSH_S):

@@ -7,11 +7,6 @@ at 16 clients). The writer thread holds only the latest document: a newer one re
 one not yet written (a status is a snapshot; only the last one matters), and documents
 reach the store in the order they were submitted.
 
-Writes are spaced at least ``min_gap_s`` apart unless a document is urgent (an event:
-a bind, a release, a mode change, the engine falling idle): a timed refresh submitted
-inside the gap only replaces the pending document, waking nothing, and is written when
-the gap ends, so the store still ends at the engine's last state.
-
 Invariants: the thread uses a TCPStore client of its own (the engine's client carries
 binds and rendezvous and is not safe to share between threads); the engine thread
 never waits on the store except in ``flush``, which event publishes (bind, release,
@@ -36,32 +31,25 @@ class StatusWriter:
     """One engine's status document, written by a daemon thread.
 
     ``connect`` builds the thread's own store client (called on the thread, lazily,
-    again after a failure); ``key`` is the document's store key; ``min_gap_s`` the
-    least time between two writes of documents that are not urgent."""
+    again after a failure); ``key`` is the document's store key."""
 
-    def __init__(self, connect: Callable[[], object], key: str, min_gap_s: float = 0.0):
+    def __init__(self, connect: Callable[[], object], key: str):
         self._connect = connect
         self.key = key
-        self.min_gap_s = min_gap_s
         self._cv = threading.Condition()
         self._latest: tuple[int, str] | None = None  # (seq, document) not yet written
-        self._urgent = False  # the pending document (or one it replaced) is an event
-        self._waiting = False  # the thread waits for a document (not inside a gap)
         self._submitted = 0
         self._written = 0  # every seq <= this one was written or replaced by a newer one
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=f"flying-status-{key}", daemon=True)
         self._thread.start()
 
-    def submit(self, document: str, urgent: bool = False) -> int:
-        """Queue ``document`` (replacing any not yet written); returns its sequence number.
-        ``urgent``: written without waiting for the gap (an event; ``flush`` needs it)."""
+    def submit(self, document: str) -> int:
+        """Queue ``document`` (replacing any not yet written); returns its sequence number."""
         with self._cv:
             self._submitted += 1
             self._latest = (self._submitted, document)
-            self._urgent = self._urgent or urgent
-            if urgent or self._waiting:  # inside a gap the thread wakes on its own
-                self._cv.notify_all()
+            self._cv.notify_all()
             return self._submitted
 
     def flush(self, seq: int, timeout_s: float) -> bool:
@@ -80,29 +68,16 @@ class StatusWriter:
             self._closed = True
             self._cv.notify_all()
 
-    def _next(self, gap_ends: float) -> tuple[int, str] | None:
-        """The next document to write, once it is due (None: closed)."""
-        with self._cv:
-            while not self._closed:
-                if self._latest is None:
-                    self._waiting = True
-                    self._cv.wait()
-                    self._waiting = False
-                    continue
-                left = 0.0 if self._urgent else gap_ends - time.monotonic()
-                if left <= 0:
-                    latest, self._latest, self._urgent = self._latest, None, False
-                    return latest
-                self._cv.wait(left)  # a newer document replaces this one meanwhile
-            return None
-
     def _run(self) -> None:
-        store, gap_ends = None, 0.0
+        store = None
         while True:
-            latest = self._next(gap_ends)
-            if latest is None:
-                return
-            seq, document = latest
+            with self._cv:
+                while self._latest is None and not self._closed:
+                    self._cv.wait()
+                if self._closed:
+                    return
+                seq, document = self._latest
+                self._latest = None
             try:
                 if store is None:
                     store = self._connect()
@@ -115,7 +90,6 @@ class StatusWriter:
                         self._latest = (seq, document)
                 time.sleep(RETRY_S)
                 continue
-            gap_ends = time.monotonic() + self.min_gap_s
             with self._cv:
                 self._written = seq
                 self._cv.notify_all()

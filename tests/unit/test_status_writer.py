@@ -128,35 +128,3 @@ def test_an_event_publish_is_in_the_store_before_the_engine_goes_on(monkeypatch)
     threading.Timer(0.2, store.gate.set).start()
     engine.publish(scheduler, force=True)
     assert store.writes == [("flying/status/0", "doc0")]
-
-
-class CountingStore:
-    def __init__(self):
-        self.writes: list[tuple[float, str]] = []
-
-    def set(self, key: str, value: str) -> None:
-        self.writes.append((time.monotonic(), value))
-
-
-def test_writes_are_spaced_by_the_gap_unless_urgent_and_the_last_document_lands():
-    """Idle falls on a lightly loaded engine come faster than the gap: within it a
-    submit wakes nothing and replaces the pending document; an event is written at
-    once; the last document always reaches the store."""
-    store = CountingStore()
-    w = StatusWriter(lambda: store, "flying/status/0", min_gap_s=0.3)
-    assert w.flush(w.submit("a"), 2)  # the first write: no gap before it
-    start = time.monotonic()
-    for doc in ("b", "c", "d"):  # inside the gap: replaced, not written
-        w.submit(doc)
-    time.sleep(0.05)
-    assert [v for _, v in store.writes] == ["a"]
-    assert w.flush(w.submit("e", urgent=True), 2)  # an event: now, not at the gap's end
-    assert time.monotonic() - start < 0.2
-    assert [v for _, v in store.writes] == ["a", "e"]
-    last = w.submit("f")
-    assert not w.flush(last, 0.1)  # waits for the gap
-    assert w.flush(last, 2)
-    times = [t for t, _ in store.writes]
-    assert [v for _, v in store.writes] == ["a", "e", "f"]
-    assert times[2] - times[1] >= 0.29
-    w.close()
