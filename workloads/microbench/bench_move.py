@@ -83,8 +83,8 @@ def _one(server, ids: list[int], to_dp: bool) -> tuple[float, int, int] | None:
     """One move; (ms, tokens, bytes received), or None if none happened. A move to DP is
     timed on the member that took the request (its copy is on the request's path); a
     join on the leader."""
-    before = _leader(server)
     engines_before = _engines(server)
+    before = engines_before[0]  # the leader (``_leader``)
     long_kw = {} if to_dp else {"routed_dp_rank": 0}
     long = threading.Thread(
         target=_generate, args=(server, ids, 256, TP2 if to_dp else None), kwargs=long_kw,
