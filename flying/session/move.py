@@ -13,11 +13,17 @@ boundary, on every member at the same step,
    for its tokens plus one decode token. If a request fits nowhere the session keeps
    running and tries again ``RETRY_STEPS`` group steps later (DP work keeps running
    between group steps);
-3. every member reads its head shard of every token (``kv_relayout.read_block`` on its
-   TP view) and the members all-gather them; each member that was assigned requests
-   gives the session's reserved slots back, takes DP slots, writes whole rows (all
-   heads; one copy of each distinct head group when heads are replicated) for its
-   requests, rewrites their ``req_to_token`` rows, re-homes them in the
+3. every member's head shard of every token goes to the members that take requests.
+   In the usual move every request goes to one member: the others read their rows
+   straight into the group's shared segment (``kv_relayout.send_rows``) and the taker,
+   when it has the room beside the session's own rows, takes DP slots first and writes
+   whole rows straight from its TP view and the segment (``gather_rows``: no block in
+   between, so each byte is copied once on each side). Otherwise every member reads
+   its shard (``kv_relayout.read_block`` on its TP view), the members gather them, and
+   each member that was assigned requests gives the session's reserved slots back,
+   takes DP slots and writes whole rows (all heads; one copy of each distinct head
+   group when heads are replicated). Each taker rewrites its requests'
+   ``req_to_token`` rows, re-homes them in the
    DP prefix cache (root lock, nothing protected: the tree learns their tokens when
    they finish, as for any DP request) and merges them into its DP running batch
    (SGLang's ``merge_batch``, the way a prefill batch joins it); every member frees the
@@ -130,16 +136,19 @@ def to_dp(scheduler, s, dp_limit: int, faults=None) -> Moved | None:
         t0 = time.perf_counter()  # agreed: from here on it is the relayout's own cost
         if faults is not None:
             faults.check("move")
-        block = kv_relayout.read_block(scope.prepared.tp_pool, tp_slots)
-        # every request to one member (the usual move): only it needs the others' shards
-        shards = (kv_relayout.gather_to(s.member, block, owners[0]) if len(set(owners)) == 1
-                  else kv_relayout.exchange(s.member, block))
+        me, tp_pool, written = s.member.tp_rank, scope.prepared.tp_pool, None
+        shards = None
+        if len(set(owners)) > 1:
+            shards = kv_relayout.exchange(s.member, kv_relayout.read_block(tp_pool, tp_slots))
+        elif owners[0] != me:  # the usual move, every request to one member: send to it
+            kv_relayout.send_rows(s.member, tp_pool, tp_slots, owners[0])
+        else:
+            written, shards = _gather_here(scheduler, scope, s.member, tp_slots)
     except BaseException:
         if not scope.entered:
             scope.enter()
         scheduler.running_batch, scheduler.last_batch = batch, last
         raise
-    me = s.member.tp_rank
     keep = [i for i, owner in enumerate(owners) if owner == me]
     for i, req in enumerate(reqs):
         if owners[i] != me:
@@ -151,13 +160,35 @@ def to_dp(scheduler, s, dp_limit: int, faults=None) -> Moved | None:
             tokens = torch.cat([torch.arange(starts[i], starts[i] + lens[i]) for i in keep])
         batch.filter_batch(keep_indices=keep)
         _land(scheduler, scope, batch, [reqs[i] for i in keep], [lens[i] for i in keep],
-              shards, tokens)
+              shards, tokens, written)
     peers = s.member.group.degree - 1
+    k0 = tp_pool.k_buffer[0]
     return Moved(
         len(keep), sum(lens[i] for i in keep),
-        peers * block.numel() * block.element_size(),
+        peers * kv_relayout.block_bytes(len(tp_pool.k_buffer), tp_slots.numel(), k0.shape[1],
+                                        k0.shape[2], k0.element_size()),
         (time.perf_counter() - t0) * 1e3, tuple(reqs[i] for i in keep), decision,
     )
+
+
+def _gather_here(scheduler, scope, member, tp_slots: torch.Tensor):
+    """The member that takes every request of a move: ``(slots, None)`` with every head
+    of their tokens already written into fresh DP ``slots`` (``gather_rows``: straight
+    from its own TP view and the segment, no block in between) when the engine has that
+    room beside the session's own rows; else ``(None, shards)``, the members' blocks,
+    written once those rows are back (``_land``)."""
+    n = tp_slots.numel()
+    if tp_scope.dp_room(scheduler) < n:
+        block = kv_relayout.read_block(scope.prepared.tp_pool, tp_slots)
+        return None, kv_relayout.gather_to(member, block, member.tp_rank)
+    slots = tp_scope.take_dp_slots(scheduler, n)  # disjoint from the rows tp_slots are in
+    try:
+        kv_relayout.gather_rows(member, scope.prepared.split, scope.prepared.tp_pool, tp_slots,
+                                scope.dp_pool, slots)
+    except BaseException:  # no request points at them yet
+        scheduler.token_to_kv_pool_allocator.free(slots)
+        raise
+    return slots, None
 
 
 def _dp_load(scheduler) -> int:
@@ -198,21 +229,23 @@ def _room(scheduler, scope) -> int:
     return tp_scope.dp_room(scheduler) + _reserved(scope)
 
 
-def _land(scheduler, scope, batch, reqs, lens, shards: list[torch.Tensor],
-          tokens: torch.Tensor | None) -> None:
+def _land(scheduler, scope, batch, reqs, lens, shards: list[torch.Tensor] | None,
+          tokens: torch.Tensor | None, written: torch.Tensor | None = None) -> None:
     """A member, DP state: write its requests' rows from the members' shards (``shards``:
     [layers, 2, n, H_kv/f, d] each, TP-rank order; one copy of each distinct head group
     is written when heads are replicated; ``tokens``: which of the n are these
-    requests', None for all), re-point the requests at them and merge them into the DP
-    running batch."""
+    requests', None for all) unless ``written`` holds them already (``_gather_here``),
+    re-point the requests at them and merge them into the DP running batch."""
     scope.release_all()  # their TP sub-slots are read: the reserved rows are free again
-    slots = tp_scope.take_dp_slots(scheduler, sum(lens))
-    try:
-        kv_relayout.write_shards(scope.dp_pool, slots, kv_relayout.distinct(shards, scope.prepared.split),
-                                 tokens)
-    except BaseException:  # no request points at them: nothing else would free them
-        scheduler.token_to_kv_pool_allocator.free(slots)
-        raise
+    slots = written
+    if slots is None:
+        slots = tp_scope.take_dp_slots(scheduler, sum(lens))
+        try:
+            kv_relayout.write_shards(scope.dp_pool, slots,
+                                     kv_relayout.distinct(shards, scope.prepared.split), tokens)
+        except BaseException:  # no request points at them: nothing else would free them
+            scheduler.token_to_kv_pool_allocator.free(slots)
+            raise
     rehome(scheduler, reqs, lens, slots)
     batch.token_to_kv_pool_allocator = scheduler.token_to_kv_pool_allocator
     batch.tree_cache = scheduler.tree_cache

@@ -16,9 +16,12 @@ Shapes: a *shard block* is ``[layers, 2, n, H_kv/f, d]`` (K then V, n tokens in 
 request's token order; ``f = KvSplit.shards``: m, or H_kv when replicated); a *full
 block* is ``[layers, 2, n, H_kv, d]``. Members transfer
 shard blocks (``exchange``, or ``gather_to`` where one member takes every row): over the
-group's shared-memory segment in chunks of its slot size on one host, over gloo
-otherwise. The transfer is collective: every member
-calls it with a block of the same shape (lockstep gives every member the same tokens).
+group's shared-memory segment in chunks of its slot size (whole token rows) on one host,
+over gloo otherwise. Where one member takes every row, the shared path needs no block at
+all: the senders read their rows straight into the segment (``send_rows``) and the taker
+writes whole rows straight from its own TP view and the segment (``gather_rows``). The
+transfer is collective: every member calls it with a block of the same shape (lockstep
+gives every member the same tokens).
 """
 
 from __future__ import annotations
@@ -169,23 +172,170 @@ def gather_to(member, block: torch.Tensor, dst: int) -> list[torch.Tensor] | Non
     return _gather(member, block, dst)
 
 
-def _gather(member, block: torch.Tensor, dst: int | None) -> list[torch.Tensor] | None:
-    """``exchange`` (``dst`` None: every member gets every block) or ``gather_to``."""
+def _gather(member, block: torch.Tensor, dst: int | None, sink=None,
+            fill=None) -> list[torch.Tensor] | None:
+    """``exchange`` (``dst`` None: every member gets every block) or ``gather_to``.
+
+    On the shared path two hooks let a relayout skip its own copies (``send_rows``,
+    ``gather_rows``; ``block`` is then a ``meta`` tensor, only its shape is read):
+    ``fill(start, slot)`` writes this member's flat elements ``[start, start + n)``
+    straight into its slot; on ``dst``, ``sink(rank, start, view)`` takes each peer's
+    chunk instead of a copy into a block (and nothing is returned)."""
     flat = block.contiguous().view(-1)
     world, me, shm = member.group.degree, member.tp_rank, member.shm
-    if shm is None or not flat.is_cpu:
+    if shm is None or flat.device.type not in ("cpu", "meta"):
+        assert sink is None and fill is None, "rows stream over the shared segment only"
         outs = [torch.empty_like(flat) for _ in range(world)]
         member.pg.allgather([outs], [flat]).wait()
         return None if dst not in (None, me) else [o.view(block.shape) for o in outs]
     reads = dst is None or dst == me
-    outs = [flat if r == me else torch.empty_like(flat) for r in range(world)] if reads else []
-    per = max(1, shm.slot_bytes // flat.element_size())
+    outs = ([flat if r == me else torch.empty_like(flat) for r in range(world)]
+            if reads and sink is None else [])
+    per = _chunk(shm.slot_bytes, block)
     for start in range(0, flat.numel(), per):
-        views = shm.exchange(flat[start : start + per], write=dst != me)
-        for r, out in enumerate(outs):
-            if r != me:
-                out[start : start + views[r].numel()].copy_(views[r])
-    return [o.view(block.shape) for o in outs] if reads else None
+        piece = flat[start : start + per]
+        put = None if fill is None or dst == me else (lambda slot, at=start: fill(at, slot))
+        views = shm.exchange(piece, write=dst != me, fill=put)
+        for r in range(world) if reads else ():
+            if r == me:
+                continue
+            if sink is not None:
+                sink(r, start, views[r])
+            else:
+                outs[r][start : start + views[r].numel()].copy_(views[r])
+    return [o.view(block.shape) for o in outs] if reads and sink is None else None
+
+
+def _chunk(slot_bytes: int, block: torch.Tensor) -> int:
+    """Elements per shared-memory chunk: as many as a slot holds, cut to whole token
+    rows of a ``[..., heads, d]`` block (so a chunk maps onto pool rows) when a row
+    fits; the same on every member (it depends on the shape only)."""
+    per = max(1, slot_bytes // block.element_size())
+    row = block.shape[-2] * block.shape[-1] if block.dim() >= 2 else 1
+    return per - per % row if 0 < row <= per else per
+
+
+def streams(member, pool) -> bool:
+    """Whether a relayout over ``member``'s group can stream rows between ``pool`` and
+    the shared segment (``send_rows``, ``gather_rows``): a segment, a CPU pool, and a
+    whole token row (every head) within one slot."""
+    k0 = pool.k_buffer[0]
+    return (member.shm is not None and k0.device.type == "cpu"
+            and k0[0].numel() * k0.element_size() <= member.shm.slot_bytes)
+
+
+def _buffers(pool) -> list[torch.Tensor]:
+    """The pool's per-layer buffers in a block's plane order: K0, V0, K1, V1, ..."""
+    return [b for kv in zip(pool.k_buffer, pool.v_buffer, strict=True) for b in kv]
+
+
+def _block_shape(pool, n: int) -> tuple[int, ...]:
+    """A block of ``n`` tokens of ``pool``: ``[layers, 2, n, heads, d]``."""
+    return (len(pool.k_buffer), 2, n, *pool.k_buffer[0].shape[1:])
+
+
+def _pieces(shape: tuple[int, ...], start: int, count: int):
+    """The flat range ``[start, start + count)`` of a ``[layers, 2, n, h, d]`` block as
+    ``(plane, token_from, token_to, offset)`` pieces: plane ``layer * 2 + kv``, tokens
+    ``[a, b)`` of it, at ``offset`` in the range. Both ends must fall on token rows."""
+    _, _, n, h, d = shape
+    row, plane = h * d, n * h * d
+    assert start % row == 0 and count % row == 0, "a chunk must hold whole token rows"
+    pos, end = start, start + count
+    while pos < end:
+        p, off = divmod(pos, plane)
+        take = min(end, (p + 1) * plane) - pos
+        yield p, off // row, (off + take) // row, pos - start
+        pos += take
+
+
+def _sub(rows: Rows, a: int, b: int) -> Rows:
+    """Block rows ``[a, b)`` of ``rows`` (``rows_of``), renumbered from 0."""
+    if isinstance(rows, torch.Tensor):
+        return rows[a:b]
+    out = []
+    for pool_rows, block_rows in rows:
+        lo, hi = max(a, block_rows.start), min(b, block_rows.stop)
+        if lo < hi:
+            shift = pool_rows.start - block_rows.start
+            out.append((slice(lo + shift, hi + shift), slice(lo - a, hi - a)))
+    return out
+
+
+def send_rows(member, pool, slots: torch.Tensor, dst: int) -> None:
+    """``gather_to(member, read_block(pool, slots), dst)`` on a member other than
+    ``dst``, with the rows read straight into the shared segment (one copy of each byte
+    where the block took two)."""
+    if not streams(member, pool):
+        gather_to(member, read_block(pool, slots), dst)
+        return
+    shape, rows, bufs = _block_shape(pool, slots.numel()), rows_of(slots, pool.k_buffer[0].device), _buffers(pool)
+
+    def fill(start: int, slot: torch.Tensor) -> None:
+        for p, a, b, off in _pieces(shape, start, slot.numel()):
+            _get(bufs[p], _sub(rows, a, b), slot[off : off + (b - a) * shape[3] * shape[4]]
+                 .view(b - a, *shape[3:]))
+
+    _gather(member, torch.empty(shape, dtype=bufs[0].dtype, device="meta"), dst, fill=fill)
+
+
+def gather_rows(member, split: KvSplit, tp_pool, tp_slots: torch.Tensor, pool,
+                slots: torch.Tensor) -> None:
+    """``gather_to`` on its ``dst`` (this member) written straight into whole rows:
+    ``slots`` of the DP ``pool`` get every KV head of the tokens ``tp_slots`` hold in the
+    members' TP views (``tp_pool`` is this member's), in token order. This member's own
+    head group is copied row to row (where heads are replicated, its own copy: replicas
+    compute the same heads from the same inputs, so they hold the same bytes); each other
+    distinct head group is written from the segment as its chunks arrive, from the first
+    rank of the group as ``distinct`` picks. Peers
+    call ``send_rows`` (or ``gather_to``) with the same ``dst``.
+
+    Invariant: ``slots`` do not overlap the DP rows behind ``tp_slots`` (they are read
+    while ``slots`` are written): take them before the session's reserved rows go back."""
+    me, h = member.tp_rank, split.heads_per_rank
+    own = split.shard(me)
+    if not streams(member, pool):
+        shards = gather_to(member, read_block(tp_pool, tp_slots), me)
+        write_shards(pool, slots, [shards[me if j == own else split.ranks(j)[0]]
+                                   for j in range(split.shards)])
+        return
+    copy_rows(tp_pool, tp_slots, pool, slots, slice(own * h, (own + 1) * h))
+    shape, rows = _block_shape(tp_pool, tp_slots.numel()), rows_of(slots, pool.k_buffer[0].device)
+    bufs = _buffers(pool)
+
+    def sink(rank: int, start: int, view: torch.Tensor) -> None:
+        j = split.shard(rank)
+        if j == own or rank != split.ranks(j)[0]:
+            return  # this member's own group, or a replica of one already written
+        heads = slice(j * h, (j + 1) * h)
+        for p, a, b, off in _pieces(shape, start, view.numel()):
+            _put(bufs[p][:, heads], _sub(rows, a, b),
+                 view[off : off + (b - a) * shape[3] * shape[4]].view(b - a, *shape[3:]))
+
+    _gather(member, torch.empty(shape, dtype=bufs[0].dtype, device="meta"), me, sink=sink)
+
+
+def copy_rows(src_pool, src_slots: torch.Tensor, pool, slots: torch.Tensor,
+              heads: slice) -> None:
+    """Heads ``heads`` of rows ``slots`` of ``pool`` = rows ``src_slots`` of ``src_pool``
+    (every head of a TP view's rows), token by token: no block in between. Slices per
+    run where both sides are consecutive, else indexed copies."""
+    src, dst = src_slots.to(torch.int64), slots.to(torch.int64)
+    breaks = torch.nonzero((src[1:] - src[:-1] != 1) | (dst[1:] - dst[:-1] != 1)).view(-1)
+    runs = None
+    if src.numel() and breaks.numel() < MAX_RUNS:
+        starts = [0, *(breaks + 1).tolist()]
+        ends = [*starts[1:], src.numel()]
+        s0, d0 = src[starts].tolist(), dst[starts].tolist()
+        runs = [(slice(s, s + e - b), slice(t, t + e - b))
+                for s, t, b, e in zip(s0, d0, starts, ends, strict=True)]
+    for a, b in zip(_buffers(src_pool), _buffers(pool), strict=True):
+        out = b[:, heads]
+        if runs is None:
+            out[dst] = a[src]
+            continue
+        for s, t in runs:
+            out[t].copy_(a[s])
 
 
 def broadcast(member, block: torch.Tensor, src: int, part: int | None = None) -> torch.Tensor:

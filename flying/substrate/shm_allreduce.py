@@ -51,7 +51,7 @@ import os
 import secrets
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -237,16 +237,21 @@ class ShmAllReduce:
             self._views_cache[key] = views
         return views
 
-    def _exchange(self, t: torch.Tensor, write: bool = True) -> list[torch.Tensor]:
+    def _exchange(self, t: torch.Tensor, write: bool = True,
+                  fill: Callable[[torch.Tensor], None] | None = None) -> list[torch.Tensor]:
         """Steps 1-3 of the protocol; returns the W slots to read (rank order). Without
-        ``write`` this member publishes without copying ``t`` in (its slot is not read)."""
+        ``write`` this member publishes without copying ``t`` in (its slot is not read);
+        with ``fill``, ``fill(slot)`` writes this member's bytes into its slot (a view
+        shaped like ``t``, which may then be a ``meta`` tensor) instead of a copy of ``t``."""
         if self.broken is not None:
             raise ShmAllReduceError(f"flying: {self.label}: group is unusable: {self.broken}")
         if self._header[_POISON_WORD]:
             self._fail(-1, self._seq + 1, "the group was poisoned by a member's fault")
         seq = self._seq + 1
         views = self._views(seq & 1, t)
-        if write:
+        if fill is not None:
+            fill(views[self.rank])
+        elif write:
             views[self.rank].copy_(t)
         self._seq_col[self.rank] = seq  # publish (after the copy: x86 store order)
         self._seq = seq
@@ -276,13 +281,17 @@ class ShmAllReduce:
             t.copy_(acc)
         return t
 
-    def exchange(self, t: torch.Tensor, write: bool = True) -> list[torch.Tensor]:
+    def exchange(self, t: torch.Tensor, write: bool = True,
+                 fill: Callable[[torch.Tensor], None] | None = None) -> list[torch.Tensor]:
         """Every member's ``t`` (same shape and dtype on all; at most ``slot_bytes``), in
         rank order, as views of the segment: read them before this member's next call
         (a peer overwrites a slot only after this member has published the next one).
         Without ``write`` this member copies nothing in (``t`` may be a ``meta``
-        tensor; its slot holds stale bytes): a gather that no peer reads it for."""
-        views = self._exchange(t, write)
+        tensor; its slot holds stale bytes): a gather that no peer reads it for. With
+        ``fill`` (``t`` may be ``meta``), ``fill(slot)`` writes this member's bytes
+        straight into its slot: a sender that builds them from scattered rows saves
+        the copy into a tensor of its own."""
+        views = self._exchange(t, write, fill)
         self.calls_gather += 1
         return views
 

@@ -160,6 +160,11 @@ def _sums_and_sequence(rank: int, world: int, pg) -> dict:
             assert shm is None or got[rank].data_ptr() == block.data_ptr()
             for r, one in enumerate(got):
                 assert torch.equal(one, torch.arange(n, dtype=torch.float32).view(1, n) + 1000 * r)
+    # A move's rows streamed to one member: the others read their TP rows straight into
+    # the segment, the taker writes whole DP rows from its own TP view and the segment
+    # (chunks that cross layers and K/V); on the shared path and over gloo, slots in
+    # runs and scattered, heads split and replicated: the rows of the joined block.
+    rows_checked = _streamed_rows(rank, world, comm, pg)
     # A broadcast: only the source copies in; every member gets the source's bytes.
     src = world - 1
     t = torch.arange(10.0) + 100 * rank if rank == src else torch.empty(10, device="meta")
@@ -201,7 +206,56 @@ def _sums_and_sequence(rank: int, world: int, pg) -> dict:
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     assert torch.all(t == world)
     comm.close()
-    return {"checked": checked, "wait_wall": wall, "wait_cpu": cpu}
+    return {"checked": checked, "rows_checked": rows_checked, "wait_wall": wall, "wait_cpu": cpu}
+
+
+def _streamed_rows(rank: int, world: int, comm, pg) -> int:
+    from types import SimpleNamespace
+
+    from flying.substrate import kv_adaptor, kv_relayout
+    from flying.substrate.layout import KvSplit
+
+    layers, rows, dim, n = 3, 1200, 16, 400
+
+    def pool(seed: int, heads: int) -> SimpleNamespace:
+        g = torch.Generator().manual_seed(seed)
+        bufs = [torch.randn(rows, heads, dim, generator=g) for _ in range(2 * layers)]
+        return SimpleNamespace(k_buffer=bufs[:layers], v_buffer=bufs[layers:], head_num=heads,
+                               head_dim=dim, v_head_dim=dim, size=rows - 1, page_size=1)
+
+    checked, runs = 0, kv_relayout.MAX_RUNS
+    g = torch.Generator().manual_seed(7)  # the same slots on every member (lockstep)
+    for kv_heads in (4, max(1, world // 2)):
+        split = KvSplit(kv_heads, world)
+        f = split.shards
+        # TP slots in DP rows [0, 500), the taker's new DP slots in [500, 1200)
+        by_runs = (torch.cat([torch.arange(200, 500), torch.arange(0, 100)]), torch.arange(500, 900))
+        scattered = (torch.randperm(500 * f, generator=g)[:n],
+                     500 + torch.randperm(700, generator=g)[:n])
+        for shm in (comm, None):
+            member = SimpleNamespace(group=SimpleNamespace(degree=world), tp_rank=rank, shm=shm, pg=pg)
+            for tp_slots, dp_slots in (by_runs, scattered):
+                kv_relayout.MAX_RUNS = runs if tp_slots is by_runs[0] else 0
+                for dst in range(world):
+                    mine = pool(rank, kv_heads)
+                    view = kv_adaptor.view_pool(mine, world)
+                    before = kv_relayout.read_block(view, tp_slots)
+                    if rank != dst:
+                        kv_relayout.send_rows(member, view, tp_slots, dst)
+                    else:
+                        kv_relayout.gather_rows(member, split, view, tp_slots, mine, dp_slots)
+                        shards = [kv_relayout.read_block(kv_adaptor.view_pool(pool(r, kv_heads), world),
+                                                         tp_slots) for r in range(world)]
+                        # one copy of each head group: the taker's own for its group (in a
+                        # server replicas hold equal bytes; here they differ, to tell them apart)
+                        want = kv_relayout.join_shards([
+                            shards[dst if split.shard(dst) == j else split.ranks(j)[0]]
+                            for j in range(split.shards)])
+                        assert torch.equal(kv_relayout.read_block(mine, dp_slots), want), (kv_heads, dst)
+                        checked += 1
+                    assert torch.equal(kv_relayout.read_block(view, tp_slots), before)
+    kv_relayout.MAX_RUNS = runs
+    return checked
 
 
 def _dead_and_late(rank: int, world: int, pg, emit) -> dict:
@@ -293,6 +347,8 @@ def two_ranks(tmp_path_factory) -> dict[int, list]:
 
 def test_two_ranks_sums_sizes_reuse_fallback(two_ranks):
     assert two_ranks[0][0]["checked"] == two_ranks[1][0]["checked"] == 18
+    # every (heads, transport, slots) case once per rank as the taker
+    assert two_ranks[0][0]["rows_checked"] == two_ranks[1][0]["rows_checked"] == 8
 
 
 def test_straggler_is_awaited_without_burning_a_core(two_ranks):
@@ -337,7 +393,7 @@ def test_sweep_removes_segments_of_dead_creators(tmp_path):
 
 def test_four_ranks_on_two_cores():
     res = _spawn(4, _four_ranks, messages=4, timeout_s=120.0)
-    assert all(r[0]["checked"] == 18 for r in res.values())
+    assert all(r[0]["checked"] == 18 and r[0]["rows_checked"] == 8 for r in res.values())
 
 
 def test_no_segment_left_in_dev_shm():
