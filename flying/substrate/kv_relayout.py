@@ -356,7 +356,7 @@ def broadcast(member, block: torch.Tensor, src: int, part: int | None = None) ->
         if shm is None:  # decided alike on every member: off the source, the block is meta
             member.pg.broadcast(flat, src).wait()
         else:
-            per = max(1, shm.slot_bytes // flat.element_size())
+            per = _chunk(shm.slot_bytes, block)
             for start in range(0, numel, per):
                 shm.broadcast(flat[start : start + per], src)
         return piece(flat.view(block.shape))
@@ -367,7 +367,7 @@ def broadcast(member, block: torch.Tensor, src: int, part: int | None = None) ->
     out = torch.empty(block.shape if part is None else block.shape[1:], dtype=block.dtype)
     lo = 0 if part is None else part * out.numel()
     hi, flat_out = lo + out.numel(), out.view(-1)
-    per = max(1, shm.slot_bytes // out.element_size())
+    per = _chunk(shm.slot_bytes, block)
     for start in range(0, numel, per):
         n = min(per, numel - start)
         view = shm.broadcast(torch.empty(n, dtype=block.dtype, device="meta"), src)
@@ -375,6 +375,33 @@ def broadcast(member, block: torch.Tensor, src: int, part: int | None = None) ->
         if a < b:
             flat_out[a - lo : b - lo].copy_(view[a - start : b - start])
     return out
+
+
+def broadcast_heads(member, full: torch.Tensor, groups: list[int], shards: int, src: int) -> None:
+    """The source's side of a scatter (the others call ``broadcast(member, stack, src,
+    part)``): head groups ``groups`` of the full block ``full`` (``[layers, 2, n, H_kv,
+    d]``; group j of ``shards`` equal groups, as ``shard_view``), broadcast stacked as
+    ``[len(groups), layers, 2, n, H_kv/shards, d]``. On the shared path the groups are
+    copied from ``full`` straight into the segment, without building the stack."""
+    layers, _, n, heads, d = full.shape
+    h = heads // shards
+    stack = torch.empty((len(groups), layers, 2, n, h, d), dtype=full.dtype, device="meta")
+    shm = member.shm
+    if shm is None or full.device.type != "cpu" or h * d * full.element_size() > shm.slot_bytes:
+        broadcast(member, torch.stack([shard_view(full, j, shards) for j in groups]), src)
+        return
+    planes = (len(groups) * layers, 2, n, h, d)  # the stack, its first two dims as one
+
+    def fill(start: int, slot: torch.Tensor) -> None:
+        for p, a, b, off in _pieces(planes, start, slot.numel()):
+            g, layer = divmod(p // 2, layers)
+            j = groups[g]
+            slot[off : off + (b - a) * h * d].view(b - a, h, d).copy_(
+                full[layer, p % 2, a:b, j * h : (j + 1) * h])
+
+    flat, per = stack.view(-1), _chunk(shm.slot_bytes, stack)
+    for start in range(0, flat.numel(), per):
+        shm.broadcast(flat[start : start + per], src, fill=lambda slot, at=start: fill(at, slot))
 
 
 def block_bytes(layers: int, tokens: int, heads: int, head_dim: int, itemsize: int) -> int:

@@ -295,13 +295,16 @@ class ShmAllReduce:
         self.calls_gather += 1
         return views
 
-    def broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
+    def broadcast(self, t: torch.Tensor, src: int,
+                  fill: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
         """Rank ``src``'s ``t`` as a view of the segment (at most ``slot_bytes``; read it
         before this member's next call). Every member passes a tensor of the same shape
         and dtype; only ``src`` copies its bytes in, so the others may pass a ``meta``
-        tensor. The same protocol as ``exchange`` (every member publishes and waits for
-        every peer), one copy in instead of W."""
-        view = self._exchange(t, write=self.rank == src)[src]
+        tensor (and so may ``src`` with ``fill``, which writes its bytes into its slot,
+        as in ``exchange``). The same protocol as ``exchange`` (every member publishes
+        and waits for every peer), one copy in instead of W."""
+        mine = self.rank == src
+        view = self._exchange(t, write=mine, fill=fill if mine else None)[src]
         self.calls_gather += 1
         return view
 

@@ -254,6 +254,20 @@ def _streamed_rows(rank: int, world: int, comm, pg) -> int:
                         assert torch.equal(kv_relayout.read_block(mine, dp_slots), want), (kv_heads, dst)
                         checked += 1
                     assert torch.equal(kv_relayout.read_block(view, tp_slots), before)
+            # A join's scatter: the source sends the head groups others hold, each
+            # member takes its own (the source's straight from its full block).
+            from flying.session.join_wire import needed
+
+            for src in range(world):
+                full = kv_relayout.read_block(pool(src, kv_heads), by_runs[1])
+                groups = needed(split, src)
+                if rank == src:
+                    kv_relayout.broadcast_heads(member, full, groups, f, src)
+                    continue
+                stack = torch.empty((len(groups), *full.shape[:3], kv_heads // f, dim), device="meta")
+                mine = kv_relayout.broadcast(member, stack, src, part=groups.index(split.shard(rank)))
+                assert torch.equal(mine, kv_relayout.shard_view(full, split.shard(rank), f))
+                checked += 1
     kv_relayout.MAX_RUNS = runs
     return checked
 
@@ -347,8 +361,9 @@ def two_ranks(tmp_path_factory) -> dict[int, list]:
 
 def test_two_ranks_sums_sizes_reuse_fallback(two_ranks):
     assert two_ranks[0][0]["checked"] == two_ranks[1][0]["checked"] == 18
-    # every (heads, transport, slots) case once per rank as the taker
-    assert two_ranks[0][0]["rows_checked"] == two_ranks[1][0]["rows_checked"] == 8
+    # every (heads, transport, slots) case once per rank as the taker (8), and every
+    # (heads, transport) scatter from the other rank (4)
+    assert two_ranks[0][0]["rows_checked"] == two_ranks[1][0]["rows_checked"] == 12
 
 
 def test_straggler_is_awaited_without_burning_a_core(two_ranks):
@@ -393,7 +408,7 @@ def test_sweep_removes_segments_of_dead_creators(tmp_path):
 
 def test_four_ranks_on_two_cores():
     res = _spawn(4, _four_ranks, messages=4, timeout_s=120.0)
-    assert all(r[0]["checked"] == 18 and r[0]["rows_checked"] == 8 for r in res.values())
+    assert all(r[0]["checked"] == 18 and r[0]["rows_checked"] == 8 + 12 for r in res.values())
 
 
 def test_no_segment_left_in_dev_shm():
