@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from flying.substrate import scratch
 from flying.substrate.layout import KvSplit
 
 #: A CPU copy of at most this many runs of consecutive slots goes as slice copies: a
@@ -79,8 +80,8 @@ def read_block(pool, slots: torch.Tensor) -> torch.Tensor:
     one buffer per layer, so no single gather spans the layers)."""
     k0 = pool.k_buffer[0]
     rows = rows_of(slots, k0.device)
-    out = torch.empty(len(pool.k_buffer), 2, slots.numel(), *k0.shape[1:], dtype=k0.dtype,
-                      device=k0.device)
+    out = scratch.empty((len(pool.k_buffer), 2, slots.numel(), *k0.shape[1:]), k0.dtype,
+                        k0.device)
     for layer, (k, v) in enumerate(zip(pool.k_buffer, pool.v_buffer, strict=True)):
         _get(k, rows, out[layer, 0])
         _get(v, rows, out[layer, 1])
@@ -185,11 +186,11 @@ def _gather(member, block: torch.Tensor, dst: int | None, sink=None,
     world, me, shm = member.group.degree, member.tp_rank, member.shm
     if shm is None or flat.device.type not in ("cpu", "meta"):
         assert sink is None and fill is None, "rows stream over the shared segment only"
-        outs = [torch.empty_like(flat) for _ in range(world)]
+        outs = [scratch.empty(flat.shape, flat.dtype, flat.device) for _ in range(world)]
         member.pg.allgather([outs], [flat]).wait()
         return None if dst not in (None, me) else [o.view(block.shape) for o in outs]
     reads = dst is None or dst == me
-    outs = ([flat if r == me else torch.empty_like(flat) for r in range(world)]
+    outs = ([flat if r == me else scratch.empty(flat.shape, flat.dtype) for r in range(world)]
             if reads and sink is None else [])
     per = _chunk(shm.slot_bytes, block)
     for start in range(0, flat.numel(), per):
@@ -364,7 +365,7 @@ def broadcast(member, block: torch.Tensor, src: int, part: int | None = None) ->
         flat = torch.empty(numel, dtype=block.dtype)
         member.pg.broadcast(flat, src).wait()
         return piece(flat.view(block.shape))
-    out = torch.empty(block.shape if part is None else block.shape[1:], dtype=block.dtype)
+    out = scratch.empty(block.shape if part is None else block.shape[1:], block.dtype)
     lo = 0 if part is None else part * out.numel()
     hi, flat_out = lo + out.numel(), out.view(-1)
     per = _chunk(shm.slot_bytes, block)
