@@ -182,14 +182,15 @@ def test_each_member_gets_its_heads_from_whichever_member_holds_the_request(monk
     got: dict[int, torch.Tensor] = {}
 
     def run(rank: int) -> None:
-        member = SimpleNamespace(tp_rank=rank)
+        member = SimpleNamespace(tp_rank=rank, shm=None)  # no segment: the stacked broadcast
         got[rank] = join_wire.scatter(member, block if rank == src else None, sched, tokens, degree, src)
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(degree)]
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(degree)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=30)
+    assert len(got) == degree, "a member's scatter failed (its thread died)"
     for rank in range(degree):
         split = KvSplit(heads, degree)  # with 2 heads on 4 ranks each head lives on 2
         assert torch.equal(got[rank], kv_relayout.shard_of(block, split.shard(rank), split.shards))
