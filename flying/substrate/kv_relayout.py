@@ -250,6 +250,13 @@ def _pieces(shape: tuple[int, ...], start: int, count: int):
         pos += take
 
 
+def _token_rows(flat: torch.Tensor, offset: int, n: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """``n`` token rows of a ``[..., n, h, d]`` block (``shape``) at element ``offset`` of
+    the flat chunk ``flat`` (a piece of ``_pieces``): ``[n, h, d]``, a view."""
+    h, d = shape[-2:]
+    return flat[offset : offset + n * h * d].view(n, h, d)
+
+
 def _sub(rows: Rows, a: int, b: int) -> Rows:
     """Block rows ``[a, b)`` of ``rows`` (``rows_of``), renumbered from 0."""
     if isinstance(rows, torch.Tensor):
@@ -274,8 +281,7 @@ def send_rows(member, pool, slots: torch.Tensor, dst: int) -> None:
 
     def fill(start: int, slot: torch.Tensor) -> None:
         for p, a, b, off in _pieces(shape, start, slot.numel()):
-            _get(bufs[p], _sub(rows, a, b), slot[off : off + (b - a) * shape[3] * shape[4]]
-                 .view(b - a, *shape[3:]))
+            _get(bufs[p], _sub(rows, a, b), _token_rows(slot, off, b - a, shape))
 
     _gather(member, torch.empty(shape, dtype=bufs[0].dtype, device="meta"), dst, fill=fill)
 
@@ -310,8 +316,7 @@ def gather_rows(member, split: KvSplit, tp_pool, tp_slots: torch.Tensor, pool,
             return  # this member's own group, or a replica of one already written
         heads = slice(j * h, (j + 1) * h)
         for p, a, b, off in _pieces(shape, start, view.numel()):
-            _put(bufs[p][:, heads], _sub(rows, a, b),
-                 view[off : off + (b - a) * shape[3] * shape[4]].view(b - a, *shape[3:]))
+            _put(bufs[p][:, heads], _sub(rows, a, b), _token_rows(view, off, b - a, shape))
 
     _gather(member, torch.empty(shape, dtype=bufs[0].dtype, device="meta"), me, sink=sink)
 
@@ -397,8 +402,7 @@ def broadcast_heads(member, full: torch.Tensor, groups: list[int], shards: int, 
         for p, a, b, off in _pieces(planes, start, slot.numel()):
             g, layer = divmod(p // 2, layers)
             j = groups[g]
-            slot[off : off + (b - a) * h * d].view(b - a, h, d).copy_(
-                full[layer, p % 2, a:b, j * h : (j + 1) * h])
+            _token_rows(slot, off, b - a, planes).copy_(full[layer, p % 2, a:b, j * h : (j + 1) * h])
 
     flat, per = stack.view(-1), _chunk(shm.slot_bytes, stack)
     for start in range(0, flat.numel(), per):
