@@ -23,6 +23,7 @@ from dataclasses import replace
 from flying.node import costs_reader, placement_log, turns
 from flying.node.config import get_config
 from flying.session.messages import Bind, Upgrade, read_mark
+from flying.substrate import status_board
 from flying.substrate.layout import Group, group_containing, groups_of
 from scheduler.traffic import Arrivals
 
@@ -78,6 +79,9 @@ def attach(controller) -> None:
     controller._flying_policy = None
     controller._flying_recorded = placement_log.Recorded()
     controller._flying_arrivals = Arrivals()
+    board = status_board.attached() if degrees else None
+    if board is not None:  # mapped now: the launcher then removes the board's file
+        board.mark_reader()
     if get_config().decision_log:  # the log starts before any bind: engines append to it
         try:
             if _policy(controller) is not None:

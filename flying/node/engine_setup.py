@@ -7,8 +7,7 @@ import logging
 from flying.node.config import get_config
 from flying.session import layout_log, status
 from flying.session.engine import FlyingEngine, set_engine
-from flying.session.status_writer import StatusWriter
-from flying.substrate.comm_pool import CommPool, connect_store, store_address
+from flying.substrate.comm_pool import CommPool, store_address
 
 logger = logging.getLogger(__name__)
 
@@ -45,5 +44,3 @@ def attach(scheduler) -> None:
         engine.watch.enabled = False
     set_engine(engine)
     status.publish(pool.store, dp_rank, engine, scheduler)
-    # later documents from a thread with its own store client: off the engine's loop
-    engine.status_out = StatusWriter(lambda: connect_store(address), status.key(dp_rank))

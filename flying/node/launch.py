@@ -308,6 +308,11 @@ def main(argv: list[str] | None = None) -> None:
     cfg = with_node_name(cfg, server_args.host, server_args.port)
     flying_config.publish(cfg, replace=True)
     logger.info("Flying node name: %s", cfg.node_name)
+    from flying.substrate import status_board
+
+    if cfg.degree_list():  # the engines' status slots, before they start
+        status_board.create(server_args.dp_size)
+        status_board.unlink_when_mapped()
     add_routes(server_args.dp_size, bool(getattr(server_args, "enable_metrics", False)))
     print(_banner(server_args), flush=True)
     try:

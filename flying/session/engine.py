@@ -44,7 +44,6 @@ from flying.session.faults import FaultSwitch, step_delays
 from flying.session.group import DP, GroupSession, Mode, State
 from flying.session.lifecycle import Lifecycle
 from flying.session.messages import Bind
-from flying.session.status_writer import StatusWriter
 from flying.session.step_costs import StepClock, sample_of
 from flying.substrate.comm_pool import CommPool
 from scheduler import hold
@@ -58,13 +57,9 @@ DEFAULT_BIND_TIMEOUT_S = 30.0
 #: How often a busy engine (DP or in a session) refreshes its published status: the
 #: DP controller's costs refresh (``flying.node.costs_reader.REFRESH_S``), which is
 #: what reads it while serving, so a document it reads is at most two refreshes old.
-#: Each refresh builds the document and wakes the writer thread (a GIL hand-off on a
-#: loaded core): at 0.1 s that was ~0.4 % of a busy engine's samples, at 0.25 s the
-#: writer was still half of Flying's 1.4 % (``workloads.bench_hooks``, demo model,
-#: 16 clients, session 59).
+#: Each refresh builds the document and writes it to the node's status board
+#: (``flying.substrate.status_board``: a memory copy, no system call).
 STATUS_EVERY_S = 0.5
-#: How long an event's status publish waits for its writer before going on.
-STATUS_FLUSH_S = 2.0
 
 
 class FlyingEngine(Lifecycle, Drain):
@@ -118,8 +113,6 @@ class FlyingEngine(Lifecycle, Drain):
         self._status_at = 0.0
         self._published_busy = False
         self._published_degree = 1  # the mode's degree in the last published document
-        #: writes the status off this loop (``status_writer``); None: inline (tests)
-        self.status_out: StatusWriter | None = None
 
     @property
     def mode(self) -> Mode:
@@ -381,15 +374,7 @@ class FlyingEngine(Lifecycle, Drain):
         if force or changed or now - self._status_at >= STATUS_EVERY_S:
             self._status_at = now
             self._published_busy, self._published_degree = busy, degree
-            if self.status_out is None:
-                status.publish(self.pool.store, self.dp_rank, self, scheduler)
-                return
-            seq = self.status_out.submit(status.document(self.dp_rank, self, scheduler))
-            # An event (bind, release, drain) is in the store before the engine goes
-            # on, as when written inline; timed refreshes never wait.
-            if force and not self.status_out.flush(seq, STATUS_FLUSH_S):
-                logger.warning("flying: engine %d status not written in %.0f s",
-                               self.dp_rank, STATUS_FLUSH_S)
+            status.publish(self.pool.store, self.dp_rank, self, scheduler)
 
 
 def _has_dp_work(scheduler) -> bool:

@@ -1,16 +1,22 @@
-"""Per-engine status published through the launcher's TCPStore, read by /flying/status.
+"""Per-engine status documents, read by /flying/status, the metrics and the DP controller.
 
-Engines write a small JSON document under ``flying/status/<rank>`` at startup, at
-every bind and release, and every ``STATUS_EVERY_S`` while busy (through a writer
-thread: ``status_writer``); the HTTP process (which hosts the store) reads them.
+Engines write a small JSON document at start-up, at every bind and release, on falling
+idle and every ``STATUS_EVERY_S`` while busy, into their slot of the node's status
+board (``flying.substrate.status_board``: shared memory, no socket, no thread); a
+process outside a launcher (a unit test's engine) writes it under ``flying/status/<rank>``
+in the store instead, and a reader takes the store's copy of a slot never written.
 Inside a session the KV and row counts are the session's (its reserved pool), so idle
-checks read them in DP mode. No extra
-socket, and a read never waits on a busy engine.
+checks read them in DP mode. A read never waits on a busy engine.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+
+from flying.substrate import status_board
+
+logger = logging.getLogger(__name__)
 
 #: Switch (bind -> first group step) latency histogram bounds, in milliseconds.
 SWITCH_BUCKETS_MS = (1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 1000.0)
@@ -26,8 +32,18 @@ def bucket_index(value: float, bounds: tuple[float, ...] = SWITCH_BUCKETS_MS) ->
 
 
 def publish(store, dp_rank: int, engine, scheduler=None) -> None:
-    """Write the engine's status now (start-up: before its writer thread runs)."""
-    store.set(key(dp_rank), document(dp_rank, engine, scheduler))
+    """Write the engine's status now: to the board, or without one to ``store``. Seen by
+    every reader when this returns (an event's status is published before the engine
+    goes on)."""
+    doc = document(dp_rank, engine, scheduler)
+    board = status_board.attached()
+    if board is None:
+        store.set(key(dp_rank), doc)
+        return
+    try:
+        board.write(dp_rank, doc)
+    except ValueError:  # a document past its slot: stale, never fatal
+        logger.exception("flying: engine %d status not published", dp_rank)
 
 
 def key(dp_rank: int) -> str:
@@ -78,7 +94,12 @@ def _kv_slots(scheduler) -> dict:
 
 def read_all(store, num_engines: int) -> dict:
     engines = []
+    board = status_board.attached()
     for r in range(num_engines):
+        doc = board.read(r) if board is not None and r < board.slots else None
+        if doc is not None:
+            engines.append(json.loads(doc))
+            continue
         try:
             if store.check([key(r)]):
                 engines.append(json.loads(store.get(key(r))))

@@ -42,12 +42,13 @@ def pidns() -> int:
         return 0
 
 
-def sweep_stale(shm_dir: Path | None = None) -> list[str]:
-    """Remove segments whose creator process is gone (killed inside a setup window)."""
+def sweep_stale(shm_dir: Path | None = None, prefix: str = PREFIX) -> list[str]:
+    """Remove files named ``<prefix><pid>_...`` whose creator process is gone (a segment
+    killed inside its setup window; the status board of a killed launcher)."""
     removed = []
-    for path in (shm_dir or SHM_DIR).glob(PREFIX + "*"):
+    for path in (shm_dir or SHM_DIR).glob(prefix + "*"):
         try:
-            pid = int(path.name[len(PREFIX) :].split("_", 1)[0])
+            pid = int(path.name[len(prefix) :].split("_", 1)[0])
             os.kill(pid, 0)
         except ProcessLookupError:
             path.unlink(missing_ok=True)

@@ -19,7 +19,12 @@ def test_a_sample_belongs_to_the_innermost_project_or_sglang_frame():
     assert owner([TORCH]) == "other"
 
 
-def test_raw_stacks_are_counted_per_owner():
-    raw = f"{SG};{HOOK};{SG};{TORCH} 40\n{SG};{ENGINE};{JSON} 2\n\nthread (idle) x\n"
+def test_raw_stacks_are_counted_per_thread_and_owner():
+    writer = "run (/w/main/flying/session/status_writer.py:80)"
+    raw = (f"thread (7): MainThread;{SG};{HOOK};{SG};{TORCH} 40\n"
+           f"thread (7): MainThread;{SG};{ENGINE};{JSON} 2\n\nthread (idle) x\n"
+           f"thread (9): flying-status-0;{writer} 3\n"
+           f"{SG};{ENGINE} 1\n")  # no thread prefix: counted as the loop's
     counts = attribute(raw)
-    assert counts == {"sglang": 40, "flying": 2}
+    assert counts == {("loop", "sglang"): 40, ("loop", "flying"): 3,
+                      ("off-loop", "flying"): 3}

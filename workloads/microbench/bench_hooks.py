@@ -96,21 +96,35 @@ def owner(frames: list[str]) -> str:
     return "other"
 
 
+#: py-spy's name for the thread SGLang's event loop runs on (an engine process's main thread).
+LOOP_THREAD = "MainThread"
+
+
 def attribute(raw: str) -> collections.Counter:
-    """Samples per owner from py-spy's ``--format raw`` output (collapsed stacks: the
-    frames separated by ';', then the count)."""
+    """Samples per (thread, owner) from py-spy's ``--threads --format raw`` output
+    (collapsed stacks: ``thread (TID): NAME``, the frames separated by ';', then the
+    count). The thread is "loop" (SGLang's event loop: the engine's main thread, or a
+    stack without a thread prefix) or "off-loop" (Flying's status writer, SGLang's own
+    helper threads): Flying's work on the loop is what delays a step; an off-loop
+    thread delays one only through the CPU it takes."""
     counts: collections.Counter = collections.Counter()
     for line in raw.splitlines():
         stack, _, n = line.rpartition(" ")
-        if stack and n.isdigit():
-            counts[owner(stack.split(";"))] += int(n)
+        if not stack or not n.isdigit():
+            continue
+        frames = stack.split(";")
+        thread = LOOP_THREAD
+        if frames[0].startswith("thread ("):
+            thread = frames.pop(0).partition(": ")[2]
+        where = "loop" if thread == LOOP_THREAD else "off-loop"
+        counts[where, owner(frames)] += int(n)
     return counts
 
 
 def _sample(pid: int, seconds: int, out: Path) -> subprocess.Popen:
     return subprocess.Popen(
         [str(Path(sys.executable).with_name("py-spy")), "record", "--pid", str(pid),
-         "--duration", str(seconds), "--rate", "250", "--format", "raw", "--nonblocking",
+         "--duration", str(seconds), "--rate", "250", "--format", "raw", "--nonblocking", "--threads",
          "--full-filenames", "--output", str(out)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
@@ -134,9 +148,16 @@ def measure(name: str, args: list[str], opts, out_dir: Path, headers: dict | Non
             if path.exists():
                 counts += attribute(path.read_text())
         total = sum(counts.values()) or 1
+        loop = sum(n for (where, _), n in counts.items() if where == "loop") or 1
+        off_flying = sum(n for (where, who), n in counts.items()
+                         if where == "off-loop" and who == "flying")
         return {"system": name, "process": opts.process, "processes": len(samplers),
                 "samples": total,
-                "flying_share": counts["flying"] / total, "sglang_share": counts["sglang"] / total,
+                "flying_share": (counts["loop", "flying"] + off_flying) / total,
+                "sglang_share": sum(n for (_, who), n in counts.items() if who == "sglang")
+                / total,
+                "flying_loop_share": counts["loop", "flying"] / loop,
+                "flying_off_loop_share": off_flying / total,
                 "requests": sum(sent)}
     finally:
         server.stop()
@@ -170,11 +191,13 @@ def main(argv: list[str] | None = None) -> None:
     else:
         rows = [measure("flying", base, opts, out_dir),
                 measure("groups-off", [*base, "--flying-tp-degrees", "none"], opts, out_dir)]
-    print("| server | process sampled | samples | Flying's code | SGLang's code | requests |")
-    print("|---|---|---|---|---|---|")
+    print("| server | process sampled | samples | Flying's code | on SGLang's loop "
+          "| off the loop | SGLang's code | requests |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['system']} | {r['process']} ({r['processes']}) | {r['samples']} "
-              f"| {100 * r['flying_share']:.2f} % "
+              f"| {100 * r['flying_share']:.2f} % | {100 * r['flying_loop_share']:.2f} % "
+              f"| {100 * r['flying_off_loop_share']:.2f} % "
               f"| {100 * r['sglang_share']:.2f} % | {r['requests']} |")
     (out_dir / "result.json").write_text(json.dumps(rows, indent=1))
 
