@@ -13,7 +13,7 @@ import pickle
 
 import torch
 
-from flying.substrate import kv_relayout
+from flying.substrate import kv_relayout, kv_stream
 from flying.substrate.layout import KvSplit
 
 #: What a request's copy must not share with the leader's: its tokenizer, tree locks,
@@ -66,7 +66,7 @@ def scatter(member, block, scheduler, tokens: int, degree: int, src: int = 0) ->
     head once, even if it lives on several ranks); each member copies out only its own."""
     if member.tp_rank == src:
         split = KvSplit(block.shape[3], degree)
-        kv_relayout.broadcast_heads(member, block, needed(split, src), split.shards, src)
+        kv_stream.broadcast_heads(member, block, needed(split, src), split.shards, src)
         return kv_relayout.shard_view(block, split.shard(src), split.shards)
     pool = scheduler.tp_worker.model_runner.token_to_kv_pool  # the DP pool (DP state)
     heads, dim = pool.k_buffer[0].shape[1:]

@@ -15,7 +15,7 @@ boundary, on every member at the same step,
    between group steps);
 3. every member's head shard of every token goes to the members that take requests.
    In the usual move every request goes to one member: the others read their rows
-   straight into the group's shared segment (``kv_relayout.send_rows``) and the taker,
+   straight into the group's shared segment (``kv_stream.send_rows``) and the taker,
    when it has the room beside the session's own rows, takes DP slots first and writes
    whole rows straight from its TP view and the segment (``gather_rows``: no block in
    between, so each byte is copied once on each side). Otherwise every member reads
@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import torch
 
 from flying.session import layout_log, tp_scope
-from flying.substrate import kv_relayout
+from flying.substrate import kv_relayout, kv_stream
 from scheduler.relayout import assign
 
 logger = logging.getLogger(__name__)
@@ -141,7 +141,7 @@ def to_dp(scheduler, s, dp_limit: int, faults=None) -> Moved | None:
         if len(set(owners)) > 1:
             shards = kv_relayout.exchange(s.member, kv_relayout.read_block(tp_pool, tp_slots))
         elif owners[0] != me:  # the usual move, every request to one member: send to it
-            kv_relayout.send_rows(s.member, tp_pool, tp_slots, owners[0])
+            kv_stream.send_rows(s.member, tp_pool, tp_slots, owners[0])
         else:
             written, shards = _gather_here(scheduler, scope, s.member, tp_slots)
     except BaseException:
@@ -183,7 +183,7 @@ def _gather_here(scheduler, scope, member, tp_slots: torch.Tensor):
         return None, kv_relayout.gather_to(member, block, member.tp_rank)
     slots = tp_scope.take_dp_slots(scheduler, n)  # disjoint from the rows tp_slots are in
     try:
-        kv_relayout.gather_rows(member, scope.prepared.split, scope.prepared.tp_pool, tp_slots,
+        kv_stream.gather_rows(member, scope.prepared.split, scope.prepared.tp_pool, tp_slots,
                                 scope.dp_pool, slots)
     except BaseException:  # no request points at them yet
         scheduler.token_to_kv_pool_allocator.free(slots)

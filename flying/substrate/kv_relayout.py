@@ -18,8 +18,8 @@ block* is ``[layers, 2, n, H_kv, d]``. Members transfer
 shard blocks (``exchange``, or ``gather_to`` where one member takes every row): over the
 group's shared-memory segment in chunks of its slot size (whole token rows) on one host,
 over gloo otherwise. Where one member takes every row, the shared path needs no block at
-all: the senders read their rows straight into the segment (``send_rows``) and the taker
-writes whole rows straight from its own TP view and the segment (``gather_rows``). The
+all: the senders read their rows straight into the segment and the taker writes whole
+rows straight from its own TP view and the segment (``flying.substrate.kv_stream``). The
 transfer is collective: every member calls it with a block of the same shape (lockstep
 gives every member the same tokens).
 """
@@ -55,7 +55,7 @@ def rows_of(slots: torch.Tensor, device: torch.device) -> Rows:
     return [(slice(f, f + e - b), slice(b, e)) for f, b, e in zip(firsts, starts, ends, strict=True)]
 
 
-def _get(buf: torch.Tensor, rows: Rows, out: torch.Tensor) -> None:
+def get_rows(buf: torch.Tensor, rows: Rows, out: torch.Tensor) -> None:
     """``out`` (contiguous) = the rows of ``buf``."""
     if isinstance(rows, torch.Tensor):
         torch.index_select(buf, 0, rows, out=out)
@@ -64,7 +64,7 @@ def _get(buf: torch.Tensor, rows: Rows, out: torch.Tensor) -> None:
         out[block_rows].copy_(buf[pool_rows])
 
 
-def _put(buf: torch.Tensor, rows: Rows, src: torch.Tensor) -> None:
+def put_rows(buf: torch.Tensor, rows: Rows, src: torch.Tensor) -> None:
     """The rows of ``buf`` (a view of a pool buffer: written through) = ``src``."""
     src = src.to(buf.dtype)
     if isinstance(rows, torch.Tensor):
@@ -83,8 +83,8 @@ def read_block(pool, slots: torch.Tensor) -> torch.Tensor:
     out = scratch.empty((len(pool.k_buffer), 2, slots.numel(), *k0.shape[1:]), k0.dtype,
                         k0.device)
     for layer, (k, v) in enumerate(zip(pool.k_buffer, pool.v_buffer, strict=True)):
-        _get(k, rows, out[layer, 0])
-        _get(v, rows, out[layer, 1])
+        get_rows(k, rows, out[layer, 0])
+        get_rows(v, rows, out[layer, 1])
     return out
 
 
@@ -92,8 +92,8 @@ def write_block(pool, slots: torch.Tensor, block: torch.Tensor) -> None:
     """Write ``block`` (``[layers, 2, n, heads, d]``, heads = the pool's) into ``slots``."""
     rows = rows_of(slots, pool.k_buffer[0].device)
     for layer, (k, v) in enumerate(zip(pool.k_buffer, pool.v_buffer, strict=True)):
-        _put(k, rows, block[layer, 0])
-        _put(v, rows, block[layer, 1])
+        put_rows(k, rows, block[layer, 0])
+        put_rows(v, rows, block[layer, 1])
 
 
 def write_shards(pool, slots: torch.Tensor, shards: list[torch.Tensor],
@@ -120,8 +120,8 @@ def write_shards(pool, slots: torch.Tensor, shards: list[torch.Tensor],
         for r, shard in enumerate(shards):
             heads = slice(r * h, (r + 1) * h)
             kv = shard[layer] if tokens is None else shard[layer][:, tokens]
-            _put(k[:, heads], rows, kv[0])
-            _put(v[:, heads], rows, kv[1])
+            put_rows(k[:, heads], rows, kv[0])
+            put_rows(v[:, heads], rows, kv[1])
 
 
 def distinct(shards: list[torch.Tensor], split: KvSplit) -> list[torch.Tensor]:
@@ -157,7 +157,7 @@ def exchange(member, block: torch.Tensor) -> list[torch.Tensor]:
     peer's chunk copied out of the segment straight into its block (one copy in, one
     out per peer); over gloo, one all-gather.
     """
-    return _gather(member, block, None)
+    return transfer(member, block, None)
 
 
 def gather_to(member, block: torch.Tensor, dst: int) -> list[torch.Tensor] | None:
@@ -170,10 +170,10 @@ def gather_to(member, block: torch.Tensor, dst: int) -> list[torch.Tensor] | Non
     model: 8 MiB that ``dst`` copied in for nobody, 8 MiB each other member copied out
     and dropped). Over gloo, the all-gather of ``exchange``. Collective: every member
     calls it with the same ``dst`` and a block of the same shape."""
-    return _gather(member, block, dst)
+    return transfer(member, block, dst)
 
 
-def _gather(member, block: torch.Tensor, dst: int | None, sink=None,
+def transfer(member, block: torch.Tensor, dst: int | None, sink=None,
             fill=None) -> list[torch.Tensor] | None:
     """``exchange`` (``dst`` None: every member gets every block) or ``gather_to``.
 
@@ -192,7 +192,7 @@ def _gather(member, block: torch.Tensor, dst: int | None, sink=None,
     reads = dst is None or dst == me
     outs = ([flat if r == me else scratch.empty(flat.shape, flat.dtype) for r in range(world)]
             if reads and sink is None else [])
-    per = _chunk(shm.slot_bytes, block)
+    per = chunk_elems(shm.slot_bytes, block)
     for start in range(0, flat.numel(), per):
         piece = flat[start : start + per]
         put = None if fill is None or dst == me else (lambda slot, at=start: fill(at, slot))
@@ -207,141 +207,13 @@ def _gather(member, block: torch.Tensor, dst: int | None, sink=None,
     return [o.view(block.shape) for o in outs] if reads and sink is None else None
 
 
-def _chunk(slot_bytes: int, block: torch.Tensor) -> int:
+def chunk_elems(slot_bytes: int, block: torch.Tensor) -> int:
     """Elements per shared-memory chunk: as many as a slot holds, cut to whole token
     rows of a ``[..., heads, d]`` block (so a chunk maps onto pool rows) when a row
     fits; the same on every member (it depends on the shape only)."""
     per = max(1, slot_bytes // block.element_size())
     row = block.shape[-2] * block.shape[-1] if block.dim() >= 2 else 1
     return per - per % row if 0 < row <= per else per
-
-
-def streams(member, pool) -> bool:
-    """Whether a relayout over ``member``'s group can stream rows between ``pool`` and
-    the shared segment (``send_rows``, ``gather_rows``): a segment, a CPU pool, and a
-    whole token row (every head) within one slot."""
-    k0 = pool.k_buffer[0]
-    return (member.shm is not None and k0.device.type == "cpu"
-            and k0[0].numel() * k0.element_size() <= member.shm.slot_bytes)
-
-
-def _buffers(pool) -> list[torch.Tensor]:
-    """The pool's per-layer buffers in a block's plane order: K0, V0, K1, V1, ..."""
-    return [b for kv in zip(pool.k_buffer, pool.v_buffer, strict=True) for b in kv]
-
-
-def _block_shape(pool, n: int) -> tuple[int, ...]:
-    """A block of ``n`` tokens of ``pool``: ``[layers, 2, n, heads, d]``."""
-    return (len(pool.k_buffer), 2, n, *pool.k_buffer[0].shape[1:])
-
-
-def _pieces(shape: tuple[int, ...], start: int, count: int):
-    """The flat range ``[start, start + count)`` of a ``[layers, 2, n, h, d]`` block as
-    ``(plane, token_from, token_to, offset)`` pieces: plane ``layer * 2 + kv``, tokens
-    ``[a, b)`` of it, at ``offset`` in the range. Both ends must fall on token rows."""
-    _, _, n, h, d = shape
-    row, plane = h * d, n * h * d
-    assert start % row == 0 and count % row == 0, "a chunk must hold whole token rows"
-    pos, end = start, start + count
-    while pos < end:
-        p, off = divmod(pos, plane)
-        take = min(end, (p + 1) * plane) - pos
-        yield p, off // row, (off + take) // row, pos - start
-        pos += take
-
-
-def _token_rows(flat: torch.Tensor, offset: int, n: int, shape: tuple[int, ...]) -> torch.Tensor:
-    """``n`` token rows of a ``[..., n, h, d]`` block (``shape``) at element ``offset`` of
-    the flat chunk ``flat`` (a piece of ``_pieces``): ``[n, h, d]``, a view."""
-    h, d = shape[-2:]
-    return flat[offset : offset + n * h * d].view(n, h, d)
-
-
-def _sub(rows: Rows, a: int, b: int) -> Rows:
-    """Block rows ``[a, b)`` of ``rows`` (``rows_of``), renumbered from 0."""
-    if isinstance(rows, torch.Tensor):
-        return rows[a:b]
-    out = []
-    for pool_rows, block_rows in rows:
-        lo, hi = max(a, block_rows.start), min(b, block_rows.stop)
-        if lo < hi:
-            shift = pool_rows.start - block_rows.start
-            out.append((slice(lo + shift, hi + shift), slice(lo - a, hi - a)))
-    return out
-
-
-def send_rows(member, pool, slots: torch.Tensor, dst: int) -> None:
-    """``gather_to(member, read_block(pool, slots), dst)`` on a member other than
-    ``dst``, with the rows read straight into the shared segment (one copy of each byte
-    where the block took two)."""
-    if not streams(member, pool):
-        gather_to(member, read_block(pool, slots), dst)
-        return
-    shape, rows, bufs = _block_shape(pool, slots.numel()), rows_of(slots, pool.k_buffer[0].device), _buffers(pool)
-
-    def fill(start: int, slot: torch.Tensor) -> None:
-        for p, a, b, off in _pieces(shape, start, slot.numel()):
-            _get(bufs[p], _sub(rows, a, b), _token_rows(slot, off, b - a, shape))
-
-    _gather(member, torch.empty(shape, dtype=bufs[0].dtype, device="meta"), dst, fill=fill)
-
-
-def gather_rows(member, split: KvSplit, tp_pool, tp_slots: torch.Tensor, pool,
-                slots: torch.Tensor) -> None:
-    """``gather_to`` on its ``dst`` (this member) written straight into whole rows:
-    ``slots`` of the DP ``pool`` get every KV head of the tokens ``tp_slots`` hold in the
-    members' TP views (``tp_pool`` is this member's), in token order. This member's own
-    head group is copied row to row (where heads are replicated, its own copy: replicas
-    compute the same heads from the same inputs, so they hold the same bytes); each other
-    distinct head group is written from the segment as its chunks arrive, from the first
-    rank of the group as ``distinct`` picks. Peers
-    call ``send_rows`` (or ``gather_to``) with the same ``dst``.
-
-    Invariant: ``slots`` do not overlap the DP rows behind ``tp_slots`` (they are read
-    while ``slots`` are written): take them before the session's reserved rows go back."""
-    me, h = member.tp_rank, split.heads_per_rank
-    own = split.shard(me)
-    if not streams(member, pool):
-        shards = gather_to(member, read_block(tp_pool, tp_slots), me)
-        write_shards(pool, slots, [shards[me if j == own else split.ranks(j)[0]]
-                                   for j in range(split.shards)])
-        return
-    copy_rows(tp_pool, tp_slots, pool, slots, slice(own * h, (own + 1) * h))
-    shape, rows = _block_shape(tp_pool, tp_slots.numel()), rows_of(slots, pool.k_buffer[0].device)
-    bufs = _buffers(pool)
-
-    def sink(rank: int, start: int, view: torch.Tensor) -> None:
-        j = split.shard(rank)
-        if j == own or rank != split.ranks(j)[0]:
-            return  # this member's own group, or a replica of one already written
-        heads = slice(j * h, (j + 1) * h)
-        for p, a, b, off in _pieces(shape, start, view.numel()):
-            _put(bufs[p][:, heads], _sub(rows, a, b), _token_rows(view, off, b - a, shape))
-
-    _gather(member, torch.empty(shape, dtype=bufs[0].dtype, device="meta"), me, sink=sink)
-
-
-def copy_rows(src_pool, src_slots: torch.Tensor, pool, slots: torch.Tensor,
-              heads: slice) -> None:
-    """Heads ``heads`` of rows ``slots`` of ``pool`` = rows ``src_slots`` of ``src_pool``
-    (every head of a TP view's rows), token by token: no block in between. Slices per
-    run where both sides are consecutive, else indexed copies."""
-    src, dst = src_slots.to(torch.int64), slots.to(torch.int64)
-    breaks = torch.nonzero((src[1:] - src[:-1] != 1) | (dst[1:] - dst[:-1] != 1)).view(-1)
-    runs = None
-    if src.numel() and breaks.numel() < MAX_RUNS:
-        starts = [0, *(breaks + 1).tolist()]
-        ends = [*starts[1:], src.numel()]
-        s0, d0 = src[starts].tolist(), dst[starts].tolist()
-        runs = [(slice(s, s + e - b), slice(t, t + e - b))
-                for s, t, b, e in zip(s0, d0, starts, ends, strict=True)]
-    for a, b in zip(_buffers(src_pool), _buffers(pool), strict=True):
-        out = b[:, heads]
-        if runs is None:
-            out[dst] = a[src]
-            continue
-        for s, t in runs:
-            out[t].copy_(a[s])
 
 
 def broadcast(member, block: torch.Tensor, src: int, part: int | None = None) -> torch.Tensor:
@@ -362,7 +234,7 @@ def broadcast(member, block: torch.Tensor, src: int, part: int | None = None) ->
         if shm is None:  # decided alike on every member: off the source, the block is meta
             member.pg.broadcast(flat, src).wait()
         else:
-            per = _chunk(shm.slot_bytes, block)
+            per = chunk_elems(shm.slot_bytes, block)
             for start in range(0, numel, per):
                 shm.broadcast(flat[start : start + per], src)
         return piece(flat.view(block.shape))
@@ -373,7 +245,7 @@ def broadcast(member, block: torch.Tensor, src: int, part: int | None = None) ->
     out = scratch.empty(block.shape if part is None else block.shape[1:], block.dtype)
     lo = 0 if part is None else part * out.numel()
     hi, flat_out = lo + out.numel(), out.view(-1)
-    per = _chunk(shm.slot_bytes, block)
+    per = chunk_elems(shm.slot_bytes, block)
     for start in range(0, numel, per):
         n = min(per, numel - start)
         view = shm.broadcast(torch.empty(n, dtype=block.dtype, device="meta"), src)
@@ -381,32 +253,6 @@ def broadcast(member, block: torch.Tensor, src: int, part: int | None = None) ->
         if a < b:
             flat_out[a - lo : b - lo].copy_(view[a - start : b - start])
     return out
-
-
-def broadcast_heads(member, full: torch.Tensor, groups: list[int], shards: int, src: int) -> None:
-    """The source's side of a scatter (the others call ``broadcast(member, stack, src,
-    part)``): head groups ``groups`` of the full block ``full`` (``[layers, 2, n, H_kv,
-    d]``; group j of ``shards`` equal groups, as ``shard_view``), broadcast stacked as
-    ``[len(groups), layers, 2, n, H_kv/shards, d]``. On the shared path the groups are
-    copied from ``full`` straight into the segment, without building the stack."""
-    layers, _, n, heads, d = full.shape
-    h = heads // shards
-    stack = torch.empty((len(groups), layers, 2, n, h, d), dtype=full.dtype, device="meta")
-    shm = member.shm
-    if shm is None or full.device.type != "cpu" or h * d * full.element_size() > shm.slot_bytes:
-        broadcast(member, torch.stack([shard_view(full, j, shards) for j in groups]), src)
-        return
-    planes = (len(groups) * layers, 2, n, h, d)  # the stack, its first two dims as one
-
-    def fill(start: int, slot: torch.Tensor) -> None:
-        for p, a, b, off in _pieces(planes, start, slot.numel()):
-            g, layer = divmod(p // 2, layers)
-            j = groups[g]
-            _token_rows(slot, off, b - a, planes).copy_(full[layer, p % 2, a:b, j * h : (j + 1) * h])
-
-    flat, per = stack.view(-1), _chunk(shm.slot_bytes, stack)
-    for start in range(0, flat.numel(), per):
-        shm.broadcast(flat[start : start + per], src, fill=lambda slot, at=start: fill(at, slot))
 
 
 def block_bytes(layers: int, tokens: int, heads: int, head_dim: int, itemsize: int) -> int:

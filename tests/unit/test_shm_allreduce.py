@@ -212,7 +212,7 @@ def _sums_and_sequence(rank: int, world: int, pg) -> dict:
 def _streamed_rows(rank: int, world: int, comm, pg) -> int:
     from types import SimpleNamespace
 
-    from flying.substrate import kv_adaptor, kv_relayout
+    from flying.substrate import kv_adaptor, kv_relayout, kv_stream
     from flying.substrate.layout import KvSplit
 
     layers, rows, dim, n = 3, 1200, 16, 400
@@ -241,9 +241,9 @@ def _streamed_rows(rank: int, world: int, comm, pg) -> int:
                     view = kv_adaptor.view_pool(mine, world)
                     before = kv_relayout.read_block(view, tp_slots)
                     if rank != dst:
-                        kv_relayout.send_rows(member, view, tp_slots, dst)
+                        kv_stream.send_rows(member, view, tp_slots, dst)
                     else:
-                        kv_relayout.gather_rows(member, split, view, tp_slots, mine, dp_slots)
+                        kv_stream.gather_rows(member, split, view, tp_slots, mine, dp_slots)
                         shards = [kv_relayout.read_block(kv_adaptor.view_pool(pool(r, kv_heads), world),
                                                          tp_slots) for r in range(world)]
                         # one copy of each head group: the taker's own for its group (in a
@@ -262,7 +262,7 @@ def _streamed_rows(rank: int, world: int, comm, pg) -> int:
                 full = kv_relayout.read_block(pool(src, kv_heads), by_runs[1])
                 groups = needed(split, src)
                 if rank == src:
-                    kv_relayout.broadcast_heads(member, full, groups, f, src)
+                    kv_stream.broadcast_heads(member, full, groups, f, src)
                     continue
                 stack = torch.empty((len(groups), *full.shape[:3], kv_heads // f, dim), device="meta")
                 mine = kv_relayout.broadcast(member, stack, src, part=groups.index(split.shard(rank)))
