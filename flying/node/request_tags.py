@@ -33,6 +33,7 @@ from flying.node import probe, request_slo
 from flying.node.config import get_config
 from flying.session.messages import check_routing_key, mark, read_mark
 from flying.session.report import REPORT_KEY
+from flying.substrate.layout import group_containing
 
 logger = logging.getLogger(__name__)
 
@@ -367,7 +368,8 @@ def placement(degree: int, dp_rank: int | None, reason: str = "") -> dict | None
         if reason:
             info["reason"] = reason
     else:
-        info = {"mode": "tp", "degree": degree, "ranks": list(range(dp_rank, dp_rank + degree))}
+        # the aligned group holding the engine that answered (a member, not always the leader)
+        info = {"mode": "tp", "degree": degree, "ranks": list(group_containing(degree, dp_rank).ranks)}
         if reason:  # the group handed the request to DP mid-request
             info["moved"] = reason
     if node := get_config().node_name:

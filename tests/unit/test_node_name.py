@@ -50,6 +50,9 @@ def test_meta_info_names_the_node(named):
         "mode": "tp", "degree": 2, "ranks": [0, 1], "node": "n1:30000"
     }
     assert request_tags.placement(1, 1, "why")["node"] == "n1:30000"
+    # answered by a member that is not the group's leader: still the group's ranks
+    assert request_tags.placement(2, 1)["ranks"] == [0, 1]
+    assert request_tags.placement(4, 6)["ranks"] == [4, 5, 6, 7]
     named("")  # outside a launched node: no name, the document as before
     assert request_tags.placement(1, 1) == {"mode": "dp", "degree": 1, "ranks": [1]}
 
