@@ -53,6 +53,8 @@ SLOT_HEADER_WORDS = 4  # seq, length, crc32, 0
 READER_WORD = 3
 #: Room per engine; a status document is a few KiB (its cost curves are bounded).
 SLOT_BYTES = 256 * 1024
+#: Bytes of a slot a document may take (the rest is its header).
+ROOM = SLOT_BYTES - 8 * SLOT_HEADER_WORDS
 #: Tries of a read that meets a write in progress (a write takes microseconds).
 READ_TRIES = 200
 
@@ -80,9 +82,8 @@ class StatusBoard:
     def write(self, rank: int, document: str) -> None:
         """Replace slot ``rank``'s document; ValueError if it does not fit."""
         data = document.encode()
-        room = SLOT_BYTES - 8 * SLOT_HEADER_WORDS
-        if len(data) > room:
-            raise ValueError(f"status document of {len(data)} bytes > slot room {room}")
+        if len(data) > ROOM:
+            raise ValueError(f"status document of {len(data)} bytes > slot room {ROOM}")
         words = self._words[rank]
         seq = int(words[0])
         words[0] = seq + 1  # odd: a write in progress
@@ -112,7 +113,7 @@ class StatusBoard:
                 return None
             if seq % 2 == 0:
                 length, crc = int(words[1]), int(words[2])
-                if length <= SLOT_BYTES:
+                if length <= ROOM:  # a torn length never reads past the slot
                     data = bytes(self.mm[start:start + length])
                     if int(words[0]) == seq and zlib.crc32(data) == crc:
                         return data.decode()
