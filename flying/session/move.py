@@ -184,7 +184,7 @@ def _gather_here(scheduler, scope, member, tp_slots: torch.Tensor):
     slots = tp_scope.take_dp_slots(scheduler, n)  # disjoint from the rows tp_slots are in
     try:
         kv_stream.gather_rows(member, scope.prepared.split, scope.prepared.tp_pool, tp_slots,
-                                scope.dp_pool, slots)
+                              scope.dp_pool, slots)
     except BaseException:  # no request points at them yet
         scheduler.token_to_kv_pool_allocator.free(slots)
         raise

@@ -104,8 +104,8 @@ def attribute(raw: str) -> collections.Counter:
     """Samples per (thread, owner) from py-spy's ``--threads --format raw`` output
     (collapsed stacks: ``thread (TID): NAME``, the frames separated by ';', then the
     count). The thread is "loop" (SGLang's event loop: the engine's main thread, or a
-    stack without a thread prefix) or "off-loop" (Flying's status writer, SGLang's own
-    helper threads): Flying's work on the loop is what delays a step; an off-loop
+    stack without a thread prefix) or "off-loop" (any other thread: one of Flying's, or
+    SGLang's own helpers): Flying's work on the loop is what delays a step; an off-loop
     thread delays one only through the CPU it takes."""
     counts: collections.Counter = collections.Counter()
     for line in raw.splitlines():
