@@ -12,13 +12,19 @@ arrivals) against them in alternating rounds (flying, groups-off, flying, ...), 
 drifting machine affects both alike. Only one server has traffic at a time; the idle one
 sleeps (``--sleep-on-idle``). It prints one table of every latency and throughput figure
 SGLang reports, per system (median over rounds) and as ratios flying / groups-off
-(above 1 is worse for latencies, below 1 is worse for throughputs).
+(above 1 is worse for latencies, below 1 is worse for throughputs), then each round's
+ratios with their median and spread.
+
+``--one-at-a-time``: no second server at all. Each benchmark run gets a server of its
+own, started for it and stopped after it (systems alternating, as above), so nothing
+else is resident on the machine during a run and no server has a start-order advantage;
+it costs one start-up per run (~40 s on the demo model).
 
 CLI::
 
     python -m workloads.vs_groups_off [--model-path DIR] [--rate 6] [--num-prompts 120] \\
         [--input-len 128] [--output-len 64] [--rounds 2] [--server-args "--dp-size 2"] \\
-        [--restart-swapped] [--out DIR]
+        [--restart-swapped | --one-at-a-time] [--out DIR]
 """
 
 from __future__ import annotations
@@ -140,6 +146,34 @@ def table(results: dict[str, list[dict[str, Any]]]) -> str:
     return "\n".join(lines)
 
 
+#: The figures of the per-round table (``ROUND_FIGURES``): key, label.
+ROUND_FIGURES = [
+    ("median_ttft_ms", "TTFT p50"), ("p90_ttft_ms", "TTFT p90"), ("p99_ttft_ms", "TTFT p99"),
+    ("median_tpot_ms", "TPOT p50"), ("median_itl_ms", "ITL p50"), ("p95_itl_ms", "ITL p95"),
+    ("p99_itl_ms", "ITL p99"), ("output_throughput", "output tok/s"),
+]
+
+
+def rounds_table(results: dict[str, list[dict[str, Any]]]) -> str:
+    """Each round's ratio flying / groups-off per figure, their median and range: a
+    round pairs two runs minutes apart, so its ratio cancels the machine's drift, and
+    the spread says how far one round can be trusted."""
+    fly, off = results["flying"], results["groups-off"]
+    n = min(len(fly), len(off))
+    head = ["figure", *(f"round {i + 1}" for i in range(n)), "median", "range"]
+    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (n + 2)]
+    for key, label in ROUND_FIGURES:
+        ratios = [a[key] / b[key] for a, b in zip(fly[:n], off[:n], strict=True)
+                  if a.get(key) is not None and b.get(key)]
+        if len(ratios) != n or not n:
+            continue
+        cells = [f"{r:.2f}" for r in ratios]
+        spread = f"{min(ratios):.2f}-{max(ratios):.2f}"
+        lines.append(f"| {label} | " + " | ".join(cells)
+                     + f" | {statistics.median(ratios):.2f} | {spread} |")
+    return "\n".join(lines)
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model-path", help="checkpoint directory (default: the demo model)")
@@ -161,7 +195,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         "in the other order, so the first-started server's advantage falls "
                         "on both systems (rounds.json says which started first per round; a "
                         "--flying-decision-log is rewritten by the second start)")
-    return p.parse_args(argv)
+    p.add_argument("--one-at-a-time", action="store_true",
+                   help="a server of its own per benchmark run, stopped after it: nothing "
+                        "else resident during a run (one start-up per run)")
+    args = p.parse_args(argv)
+    if args.one_at_a_time and args.restart_swapped:
+        p.error("--one-at-a-time and --restart-swapped exclude each other")
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -175,14 +215,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     starts: Sequence[str] = START_ORDER
     try:
         for rnd in range(args.rounds):
-            if rnd in (0, half):
+            if rnd in (0, half) and not args.one_at_a_time:
                 stop_all(servers)
                 starts = START_ORDER if rnd == 0 else tuple(reversed(START_ORDER))
                 start_systems(args.model_path, args.server_args, out, own, servers,
                               order=starts, tag="" if rnd == 0 else ".swapped")
-            first.append(starts[0])
+            first.append("none (one at a time)" if args.one_at_a_time else starts[0])
             order = list(SYSTEMS) if rnd % 2 == 0 else list(reversed(SYSTEMS))
             for name in order:
+                if args.one_at_a_time:
+                    stop_all(servers)
+                    start_systems(args.model_path, args.server_args, out, own, servers,
+                                  order=(name,), tag=f".round{rnd}")
                 res_path = out / f"{name}.round{rnd}.jsonl"
                 cmd = bench_command(servers[name].url, args, seed=rnd + 1, out=res_path)
                 cmd.append("--output-details")
@@ -197,7 +241,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         stop_all(servers)
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     (out / "rounds.json").write_text(json.dumps({"started_first": first}) + "\n")
-    text = table(results)
+    text = table(results) + "\n\nPer round, flying / groups-off:\n\n" + rounds_table(results)
     (out / "table.md").write_text(text + "\n")
     print(text)
 
