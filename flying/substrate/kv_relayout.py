@@ -40,17 +40,29 @@ MAX_RUNS = 16
 Rows = torch.Tensor | list[tuple[slice, slice]]
 
 
+def run_bounds(*index: torch.Tensor) -> tuple[list[int], list[int]] | None:
+    """The runs where every one of ``index`` (1-D int64 tensors of one length, at least
+    one element) steps by one, as (starts, ends) positions; None past ``MAX_RUNS`` runs."""
+    steps = index[0][1:] - index[0][:-1] != 1
+    for other in index[1:]:
+        steps |= other[1:] - other[:-1] != 1
+    breaks = torch.nonzero(steps).view(-1)
+    if breaks.numel() >= MAX_RUNS:
+        return None
+    starts = [0, *(breaks + 1).tolist()]
+    return starts, [*starts[1:], index[0].numel()]
+
+
 def rows_of(slots: torch.Tensor, device: torch.device) -> Rows:
     """``slots`` as (pool rows, block rows) slice pairs, one per run of consecutive
     slots, on a CPU with at most ``MAX_RUNS`` runs; otherwise the int64 index tensor."""
     idx = slots.to(device, torch.int64)
     if idx.is_cuda or idx.numel() == 0:
         return idx
-    breaks = torch.nonzero(idx[1:] - idx[:-1] != 1).view(-1)
-    if breaks.numel() >= MAX_RUNS:
+    bounds = run_bounds(idx)
+    if bounds is None:
         return idx
-    starts = [0, *(breaks + 1).tolist()]
-    ends = [*starts[1:], idx.numel()]
+    starts, ends = bounds
     firsts = idx[starts].tolist()
     return [(slice(f, f + e - b), slice(b, e)) for f, b, e in zip(firsts, starts, ends, strict=True)]
 

@@ -132,11 +132,10 @@ def copy_rows(src_pool, src_slots: torch.Tensor, pool, slots: torch.Tensor,
     (every head of a TP view's rows), token by token: no block in between. Slices per
     run where both sides are consecutive, else indexed copies."""
     src, dst = src_slots.to(torch.int64), slots.to(torch.int64)
-    breaks = torch.nonzero((src[1:] - src[:-1] != 1) | (dst[1:] - dst[:-1] != 1)).view(-1)
+    bounds = kv_relayout.run_bounds(src, dst) if src.numel() else None
     runs = None
-    if src.numel() and breaks.numel() < kv_relayout.MAX_RUNS:
-        starts = [0, *(breaks + 1).tolist()]
-        ends = [*starts[1:], src.numel()]
+    if bounds is not None:
+        starts, ends = bounds
         s0, d0 = src[starts].tolist(), dst[starts].tolist()
         runs = [(slice(s, s + e - b), slice(t, t + e - b))
                 for s, t, b, e in zip(s0, d0, starts, ends, strict=True)]

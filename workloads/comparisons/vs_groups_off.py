@@ -13,7 +13,9 @@ drifting machine affects both alike. Only one server has traffic at a time; the 
 sleeps (``--sleep-on-idle``). It prints one table of every latency and throughput figure
 SGLang reports, per system (median over rounds) and as ratios flying / groups-off
 (above 1 is worse for latencies, below 1 is worse for throughputs), then each round's
-ratios with their median and spread.
+ratios with their median and spread, and every request of each system's rounds pooled
+with a paired bootstrap interval over rounds (``workloads.reports.pooled``: what a run
+of R rounds resolves).
 
 ``--one-at-a-time``: no second server at all. Each benchmark run gets a server of its
 own, started for it and stopped after it (systems alternating, as above), so nothing
@@ -41,6 +43,7 @@ from typing import Any
 
 from workloads.comparisons.sidebyside import run_sglang
 from workloads.measure.server import Server, start_server
+from workloads.reports import pooled
 
 DEFAULT_SERVER_ARGS = "--dp-size 2"
 SYSTEMS = {"flying": [], "groups-off": ["--flying-tp-degrees", "none"]}
@@ -242,6 +245,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     (out / "rounds.json").write_text(json.dumps({"started_first": first}) + "\n")
     text = table(results) + "\n\nPer round, flying / groups-off:\n\n" + rounds_table(results)
+    text += "\n\n" + pooled.report(out)
     (out / "table.md").write_text(text + "\n")
     print(text)
 
