@@ -8,6 +8,11 @@ requests; resampling *rounds* (the same round indices for both systems: a round 
 two runs minutes apart) with replacement gives the interval of the pooled ratio that
 the rounds' own spread allows. A ratio whose interval lies below 1.05 is within a 5 %
 target at that confidence; one whose interval straddles it is not resolved by the run.
+The interval takes rounds as independent; on a machine whose slow spells last minutes
+they are not, and it is too narrow: check with an A/A run of the same length (two
+identical servers; ``vs_groups_off --flying-args "--flying-tp-degrees none"``), whose
+ratios show what the machine alone reads (docs/BENCHMARKS.md, #22 session 63: 0.87-0.92
+over 8 rounds, intervals excluding 1.0).
 
 Reads ``sglang.benchmark.serving`` result files written with ``--output-details`` (the
 per-request ``ttfts``, ``itls`` and ``output_lens``); each file's last line is its run.
