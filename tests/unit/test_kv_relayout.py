@@ -215,3 +215,22 @@ def test_rows_of_cuts_slots_into_runs_and_falls_back_to_an_index(monkeypatch):
     for a, b in zip(by_runs.k_buffer + by_runs.v_buffer, by_index.k_buffer + by_index.v_buffer,
                     strict=True):
         assert torch.equal(a, b)
+
+
+def test_copy_rows_writes_each_row_where_its_slot_says_on_either_side(copy_path):
+    """``kv_stream.copy_rows``: a run is a run only where source and destination slots
+    both step by one; here the source is one run and the destination three, so a copy
+    cut by the source alone would land rows in the wrong slots."""
+    from flying.substrate import kv_stream
+
+    src = _pool(seed=7, heads=HEADS // 2)  # a TP-2 view's rows: half the heads
+    dst = _pool(seed=8)
+    src_slots = torch.tensor([3, 4, 5, 6, 7])
+    dst_slots = torch.tensor([10, 11, 20, 2, 3])
+    before = [b.clone() for b in dst.k_buffer + dst.v_buffer]
+    kv_stream.copy_rows(src, src_slots, dst, dst_slots, slice(HEADS // 2, HEADS))
+    for got, old, s in zip(dst.k_buffer + dst.v_buffer, before, src.k_buffer + src.v_buffer,
+                           strict=True):
+        want = old.clone()
+        want[dst_slots, HEADS // 2:] = s[src_slots]
+        assert torch.equal(got, want)

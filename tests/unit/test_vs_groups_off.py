@@ -67,6 +67,11 @@ def test_pooled_ratio_of_a_uniformly_slower_system_is_exact_with_no_spread(tmp_p
     for label, a, b, ratio, low, high in rows:
         assert ratio == pytest.approx(1.10) and low == pytest.approx(1.10), label
         assert high == pytest.approx(1.10) and a == pytest.approx(1.10 * b), label
+    # each figure is the percentile of every round's requests together
+    ttfts = np.concatenate([json.loads((tmp_path / f"groups-off.round{r}.jsonl").read_text())["ttfts"]
+                            for r in range(4)])
+    p90 = next(r for r in rows if r[0] == "TTFT p90")
+    assert p90[2] == pytest.approx(np.percentile(ttfts, 90) * 1e3)
     # a request's TPOT (ms) is its mean gap: within the gaps' range over the rounds' drift
     tpot = next(r for r in rows if r[0] == "TPOT p50")
     assert 8.0 < tpot[2] < 30.0 * 1.6
