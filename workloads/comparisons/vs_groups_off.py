@@ -149,7 +149,7 @@ def table(results: dict[str, list[dict[str, Any]]]) -> str:
     return "\n".join(lines)
 
 
-#: The figures of the per-round table (``ROUND_FIGURES``): key, label.
+#: The figures of the per-round table (``rounds_table``): key in SGLang's result line, label.
 ROUND_FIGURES = [
     ("median_ttft_ms", "TTFT p50"), ("p90_ttft_ms", "TTFT p90"), ("p99_ttft_ms", "TTFT p99"),
     ("median_tpot_ms", "TPOT p50"), ("median_itl_ms", "ITL p50"), ("p95_itl_ms", "ITL p95"),
