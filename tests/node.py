@@ -143,11 +143,12 @@ def delta(after: dict, before: dict, key: str) -> int:
 
 
 def tp_then_dp(server, long_prompt: list[int], short_prompt: list[int], degree: int,
-               long_n: int, short_n: int) -> tuple[dict, dict, dict]:
+               long_n: int, short_n: int, short_rank: int | None = None) -> tuple[dict, dict, dict]:
     """A long TP-``degree`` request (``long_n`` tokens) on a node whose engines are all
-    in its group, then, once that group runs, a short DP request (``short_n``): DP work
-    on a member, which a ``--flying-move-to-dp all`` session answers by moving its
-    request to DP. Returns (status before, long answer, short answer)."""
+    in its group, then, once that group runs, a short DP request (``short_n``; on engine
+    ``short_rank`` if given, else where SGLang routes it): DP work on a member, which a
+    ``--flying-move-to-dp all`` session answers by moving its request to DP. Returns
+    (status before, long answer, short answer)."""
     before = wait_idle(server)
     result: dict = {}
     headers = {"X-Flying-TP": str(degree)}
@@ -163,7 +164,12 @@ def tp_then_dp(server, long_prompt: list[int], short_prompt: list[int], degree: 
         )
 
     until(group_runs, f"the TP-{degree} session did not start")
-    short = greedy(server, short_prompt, short_n)
+    if short_rank is None:
+        short = greedy(server, short_prompt, short_n)
+    else:
+        pinned, short = greedy_on(server, short_prompt, short_n, short_rank)
+        pinned.join(timeout=600)
+        assert short.pop("status_code") == 200, short
     group.join(timeout=600)
     return before, result, short
 

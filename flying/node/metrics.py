@@ -145,6 +145,8 @@ class FlyingCollector:
                  "requests finished"),
                 ("moved_to_dp", "running requests a group handed to DP with their KV"),
                 ("moved_tokens", "tokens of KV moved from groups to DP"),
+                ("moved_peer_steps", "steps the senders of a move ran while it was "
+                 "in flight (on the member that took it)"),
                 ("upgraded", "running DP requests that outgrew their engine into a group"),
                 ("regrouped", "group requests that outgrew their group into a larger one"),
             )

@@ -64,6 +64,9 @@ class EngineCounters:
     moved_bytes: int = 0
     move_ms_sum: float = 0.0
     move_ms_max: float = 0.0
+    #: steps the senders of this engine's moves ran while their rows were in flight
+    #: (``flying.session.handoff``: none of them waited for this engine)
+    moved_peer_steps: int = 0
     #: running DP requests that joined a forming group with their KV (on the leader)
     moved_to_tp: int = 0
     moved_tokens_to_tp: int = 0
@@ -82,6 +85,7 @@ class EngineCounters:
         self.moved_bytes += moved.bytes_in
         self.moved_to_dp += moved.requests
         self.moved_tokens += moved.tokens
+        self.moved_peer_steps += moved.peer_steps
 
     def joined(self, joining, ms: float) -> None:
         """Running requests joined a forming session (``join.Joining``), each counted by

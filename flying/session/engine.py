@@ -35,7 +35,7 @@ import logging
 import time
 from collections import deque
 
-from flying.session import move, overlap, standby, status, tp_scope, upgrade
+from flying.session import handoff, move, overlap, standby, status, tp_scope, upgrade
 from flying.session.aborts import AbortBook
 from flying.session.counters import EngineCounters
 from flying.session.drain import Drain, nothing_running
@@ -98,6 +98,9 @@ class FlyingEngine(Lifecycle, Drain):
         #: a request that left its group for a larger one, until that group's bind
         #: (``flying.session.regroup.Parked``; on the old group's leader)
         self.parked = None
+        #: the outbox a move's rows are published in, and the peers' it read
+        #: (``flying.session.handoff``); each boundary notes its steps while one is in flight
+        self.mail = handoff.Mail()
         #: degree -> the objects a group of that degree needs, built at start-up
         self.prepared: dict[int, tp_scope.Prepared] = {}
         #: a bind's reservation and scope made ready before an idle sleep
@@ -149,6 +152,7 @@ class FlyingEngine(Lifecycle, Drain):
                 tp_scope.restock(self.prepared[degree])
             except Exception as exc:  # noqa: BLE001 - the probe closes groups it cannot run
                 logger.warning("flying: engine %d cannot prepare TP-%d: %s", self.dp_rank, degree, exc)
+        self.mail.open(self.pool.members, self.prepared)
 
     # -- inputs ---------------------------------------------------------------------
 
@@ -199,6 +203,8 @@ class FlyingEngine(Lifecycle, Drain):
         """SGLang's ``get_next_batch_to_run`` for this step (the engine is in DP state);
         the interval to the next boundary is this step's measured cost."""
         started = self.clock.boundary()
+        if self.mail.sending:
+            self.mail.note(scheduler.forward_ct)
         if (self.session is not None or self.pending) and not self.result.kept:
             self.result.process(scheduler)  # the state may change here
         self.watch.check(scheduler)

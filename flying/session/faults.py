@@ -123,3 +123,15 @@ def step_delays() -> dict[int, float]:
         degree, _, ms = part.partition(":")
         delays[int(degree)] = float(ms) / 1e3
     return delays
+
+
+#: Test-only: ``FLYING_TEST_ADOPT_DELAY_MS="300"`` makes the member that takes a move's
+#: requests pause that long before it adopts its peers' rows (``flying.session.handoff``),
+#: so a test can watch the senders' DP requests step while the move is in flight.
+ADOPT_DELAY_ENV = "FLYING_TEST_ADOPT_DELAY_MS"
+
+
+def adopt_delay_s() -> float:
+    """Seconds from ``ADOPT_DELAY_ENV`` (0 when unset, the normal case)."""
+    text = os.environ.get(ADOPT_DELAY_ENV, "").strip()
+    return float(text) / 1e3 if text else 0.0

@@ -74,6 +74,9 @@ class GroupSession:
     dp_wait_steps: int = 0
     idle_steps: int = 0
     move_retry_at: int = 0  # the TP step from which a refused move may be tried again
+    #: who answers the session's requests if it fails: None, the leader (the rule);
+    #: set by a move that handed them over (``flying.session.handoff``)
+    answerer: bool | None = None
     dp_work: bool = False  # this member has DP work (seen at the last boundary)
     #: DP requests arrived at this member during the session (waiting, or prefilled in
     #: a DP step between group steps) and it still has DP work: what moves a session's

@@ -228,7 +228,8 @@ class Lifecycle(Release):
             return None
         regroup.ask(self, scheduler, s)
         if wants_move and move.ready(scheduler):
-            moved = move.to_dp(scheduler, s, self.dp_limit, self.faults)
+            moved = move.to_dp(scheduler, s, self.dp_limit, self.faults, self.bind_timeout_s,
+                               self.mail)
             if moved is not None:
                 self._moved(scheduler, s, moved)
                 return None
@@ -339,6 +340,7 @@ class Lifecycle(Release):
                 **layout_log.about(s.bind, self.dp_rank), **moved.decision,
                 "requests": moved.requests, "tokens": moved.tokens,
                 "bytes_in": moved.bytes_in, "ms": round(moved.ms, 3),
+                "peer_steps": moved.peer_steps,
             })
         logger.info(
             "flying: engine %d: %d request(s) of bind %s moved to DP here "

@@ -14,11 +14,14 @@ boundary, on every member at the same step,
    running and tries again ``RETRY_STEPS`` group steps later (DP work keeps running
    between group steps);
 3. every member's head shard of every token goes to the members that take requests.
-   In the usual move every request goes to one member: the others read their rows
-   straight into the group's shared segment (``kv_stream.send_rows``) and the taker,
-   when it has the room beside the session's own rows, takes DP slots first and writes
-   whole rows straight from its TP view and the segment (``gather_rows``: no block in
-   between, so each byte is copied once on each side). Otherwise every member reads
+   In the usual move every request goes to one member, and no member waits for
+   another (``flying.session.handoff``): each other member publishes its rows in a
+   file of its own and returns to its DP work at once, while the taker, when it has
+   the room beside the session's own rows, takes DP slots, copies its own heads from
+   its TP view and then writes each peer's heads from its file (each byte copied once
+   on each side). Where the group cannot publish (replicated heads, no shared memory)
+   the others stream their rows through the group's segment in step with the taker
+   (``kv_stream.send_rows`` / ``gather_rows``). Otherwise every member reads
    its shard (``kv_relayout.read_block`` on its TP view), the members gather them, and
    each member that was assigned requests gives the session's reserved slots back,
    takes DP slots and writes whole rows (all heads; one copy of each distinct head
@@ -42,12 +45,14 @@ a DP request), as after a release.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 
 import torch
 
-from flying.session import layout_log, tp_scope
+from flying.session import handoff, layout_log, tp_scope
+from flying.session.faults import adopt_delay_s
 from flying.substrate import kv_relayout, kv_stream
 from scheduler.relayout import assign
 
@@ -93,9 +98,12 @@ class Moved:
     reqs: tuple = ()  # this member's landed requests
     #: what the members agreed on (``assign``'s inputs and owners), for the decision log
     decision: dict | None = None
+    #: on the taker of a published move: the most steps a sender ran meanwhile
+    peer_steps: int = 0
 
 
-def to_dp(scheduler, s, dp_limit: int, faults=None) -> Moved | None:
+def to_dp(scheduler, s, dp_limit: int, faults=None, timeout_s: float = 30.0,
+          mail: handoff.Mail | None = None) -> Moved | None:
     """Move the session's running requests into DP on its members (every member calls
     this at the same boundary, in the session's TP state), spread by ``assign``.
     Returns None, back in the TP state with nothing changed, if some request fits on no
@@ -121,8 +129,13 @@ def to_dp(scheduler, s, dp_limit: int, faults=None) -> Moved | None:
     scheduler.running_batch = ScheduleBatch(reqs=[], batch_is_full=False)
     scheduler.last_batch = None
     scope.leave()
+    taking = None
     try:
-        members = s.member.gather_ints([_room(scheduler, scope), _dp_load(scheduler)])
+        # the usual move, every request to one member: its peers publish and leave
+        address = ([-1, 0] if mail is None else
+                   mail.address(s.member, scope.prepared.split, scope.prepared.tp_pool, len(tp_slots)))
+        members = s.member.gather_ints([_room(scheduler, scope), _dp_load(scheduler), os.getpid(),
+                                        *address])
         owners = assign(lens, [m[0] for m in members], [m[1] for m in members])
         decision = {"lens": lens, "rooms": [int(m[0]) for m in members],
                     "loads": [int(m[1]) for m in members], "owners": owners}
@@ -134,17 +147,27 @@ def to_dp(scheduler, s, dp_limit: int, faults=None) -> Moved | None:
             scheduler.running_batch, scheduler.last_batch = batch, last
             return None
         t0 = time.perf_counter()  # agreed: from here on it is the relayout's own cost
-        if faults is not None:
-            faults.check("move")
         me, tp_pool, written = s.member.tp_rank, scope.prepared.tp_pool, None
         shards = None
+        publishes = len(set(owners)) == 1 and all(m[3] >= 0 for m in members)
+        if publishes and owners[0] == me:
+            taking = handoff.Taking(mail, s.member, [tuple(m[2:5]) for m in members], timeout_s)
+        if faults is not None:
+            faults.check("move")
         if len(set(owners)) > 1:
             shards = kv_relayout.exchange(s.member, kv_relayout.read_block(tp_pool, tp_slots))
-        elif owners[0] != me:  # the usual move, every request to one member: send to it
+        elif owners[0] != me and publishes:
+            handoff.send(mail, scope, tp_slots, scheduler.forward_ct, timeout_s)
+            s.answerer = False  # the taker owns them now
+        elif owners[0] != me:
             kv_stream.send_rows(s.member, tp_pool, tp_slots, owners[0])
+        elif taking is not None:
+            written, shards = taking.gather(scheduler, scope, tp_slots, adopt_delay_s())
         else:
             written, shards = _gather_here(scheduler, scope, s.member, tp_slots)
     except BaseException:
+        if taking is not None and taking.resolve(scope.prepared.tp_pool, tp_slots.numel()):
+            s.answerer = True  # the leader published: it answers them no more
         if not scope.entered:
             scope.enter()
         scheduler.running_batch, scheduler.last_batch = batch, last
@@ -168,6 +191,7 @@ def to_dp(scheduler, s, dp_limit: int, faults=None) -> Moved | None:
         peers * kv_relayout.block_bytes(len(tp_pool.k_buffer), tp_slots.numel(), k0.shape[1],
                                         k0.shape[2], k0.element_size()),
         (time.perf_counter() - t0) * 1e3, tuple(reqs[i] for i in keep), decision,
+        taking.peer_steps if taking is not None else 0,
     )
 
 

@@ -39,8 +39,9 @@ class Release:
         try:
             if not s.scope.entered:
                 s.scope.enter()
+            answers = s.is_leader if s.answerer is None else s.answerer
             rerun, resume = containment.abandon(
-                scheduler, s.is_leader, f"TP-{s.bind.degree} group failed: {exc}",
+                scheduler, answers, f"TP-{s.bind.degree} group failed: {exc}",
                 s.scope.tokenized, s.scope.handed, s.batch, self.dp_limit,
             )
         finally:

@@ -351,6 +351,14 @@ class ShmAllReduce:
             time.sleep(sleep)
             sleep = min(2 * sleep, p.max_sleep_s)
 
+    def poisoned(self) -> bool:
+        """Whether a member marked the group failed (``poison``) in this epoch."""
+        return self._header is not None and bool(self._header[_POISON_WORD])
+
+    def peer_alive(self, peer: int) -> bool:
+        """False only when we can tell that TP rank ``peer``'s process is gone."""
+        return self._peer_alive(peer)
+
     def _peer_alive(self, peer: int) -> bool:
         """False only when we can tell that the peer's process is gone (same pid ns)."""
         pid, ns = int(self._lines[peer, 1]), int(self._lines[peer, 2])

@@ -58,7 +58,14 @@ def sweep_stale(shm_dir: Path | None = None, prefix: str = PREFIX) -> list[str]:
     return removed
 
 
-def create(path: Path, size: int, world: int) -> mmap.mmap:
+def _flags(populate: bool) -> int:
+    """``mmap`` flags: shared, and with ``populate`` every page mapped at once (one
+    system call instead of a page fault per 4 KiB page at first touch: a fresh 32 MiB
+    block written through its mapping took ~15 ms, a populated one ~1.5)."""
+    return mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+
+
+def create(path: Path, size: int, world: int, populate: bool = False) -> mmap.mmap:
     """Create ``path`` (exclusively), reserve ``size`` bytes, map it, write the header.
 
     ``posix_fallocate`` makes a full /dev/shm fail here with ENOSPC instead of killing
@@ -68,7 +75,7 @@ def create(path: Path, size: int, world: int) -> mmap.mmap:
     _PENDING_UNLINK.add(path)
     try:
         os.posix_fallocate(fd, 0, size)
-        mm = mmap.mmap(fd, size)
+        mm = mmap.mmap(fd, size, flags=_flags(populate))
     except OSError:
         unlink(path)
         raise
@@ -80,14 +87,16 @@ def create(path: Path, size: int, world: int) -> mmap.mmap:
     return mm
 
 
-def attach(path: Path, size: int, world: int) -> mmap.mmap:
-    """Map a segment another member created; raise ValueError if it is not the one."""
+def attach(path: Path, size: int | None, world: int, populate: bool = False) -> mmap.mmap:
+    """Map a segment another member created (``size`` None: whatever its size is);
+    raise ValueError if it is not the one."""
     fd = os.open(path, os.O_RDWR)
     try:
         actual = os.fstat(fd).st_size
+        size = actual if size is None else size
         if actual != size:
             raise ValueError(f"size {actual} != {size}")
-        mm = mmap.mmap(fd, size)
+        mm = mmap.mmap(fd, size, flags=_flags(populate))
     finally:
         os.close(fd)
     header = np.frombuffer(mm, dtype=np.int64, count=HEADER_WORDS)

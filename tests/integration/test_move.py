@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
+from flying.session.faults import ADOPT_DELAY_ENV
+from flying.substrate import kv_publish
 from tests.conftest import SLOWER, demo_server
 from tests.node import (
     delta,
@@ -40,6 +43,7 @@ from tests.reference import greedy_tokens, prompts
 pytestmark = pytest.mark.integration
 
 TP2 = {"X-Flying-TP": "2"}
+ADOPT_DELAY_MS = 300
 LONG = 600  # tokens the long request generates: it is still running when the other arrives
 SHORT = 16
 
@@ -56,18 +60,26 @@ def move_server(demo_model_dir, tmp_path_factory):
         "--enable-metrics", "--enable-request-time-stats-logging", "--log-requests",
         "--schedule-policy", "lof", "--enable-cache-report", "--enable-priority-scheduling",
         "--crash-dump-folder", str(tmp / "crash"),
-        env={"FLYING_TEST_FAULTS": "1", **SLOWER},
+        # the taker of a move pauses before it adopts its peer's rows: the sender's DP
+        # work must step meanwhile (every move here still lands, exact)
+        env={"FLYING_TEST_FAULTS": "1", **SLOWER, ADOPT_DELAY_ENV: str(ADOPT_DELAY_MS)},
     )
 
 
 _delta = delta
 
 
-def _tp_then_dp(server, seed: int) -> tuple[dict, dict, dict, list, list]:
-    """A long TP-2 request, then (once its group runs) a short DP request; returns
-    (status before, long answer, short answer, long prompt, short prompt)."""
+def _outboxes() -> set[str]:
+    """The engines' outboxes in /dev/shm (``kv_publish``): one per engine process."""
+    return {p.name for p in Path("/dev/shm").glob(kv_publish.PREFIX + "*")}
+
+
+def _tp_then_dp(server, seed: int, short_rank: int | None = None) -> tuple[dict, dict, dict, list, list]:
+    """A long TP-2 request, then (once its group runs) a short DP request (on engine
+    ``short_rank`` if given: the move's sender); returns (status before, long answer,
+    short answer, long prompt, short prompt)."""
     long_prompt, short_prompt = prompts(2, 40, seed=seed)
-    before, long, short = tp_then_dp(server, long_prompt, short_prompt, 2, LONG, SHORT)
+    before, long, short = tp_then_dp(server, long_prompt, short_prompt, 2, LONG, SHORT, short_rank)
     return before, long, short, long_prompt, short_prompt
 
 
@@ -94,6 +106,26 @@ def test_a_running_group_request_moves_to_dp_when_dp_work_arrives(move_server, d
     assert _delta(after, before, "prefill_tokens") == len(long_prompt) + len(short_prompt)
     # The session ended at the move, long before its request finished.
     assert after["totals"]["tp_steps"] - before["totals"]["tp_steps"] < 2 * LONG
+
+
+def test_a_members_dp_request_keeps_stepping_while_a_move_runs(move_server, demo_model_dir):
+    """The move's sender publishes its rows and goes back to its own DP work: the DP
+    request that arrived on it (what moves the group) is prefilled and decodes while
+    the taker, paused before it adopts (``ADOPT_DELAY_MS``), has not landed the moved
+    request yet. Asserted from step counters: the sender writes SGLang's step counter
+    into its published file at each of its boundaries, and the taker reads how far it
+    advanced when it takes the rows (``moved_peer_steps``). A sender that waited for
+    the taker, as a rendezvous makes it, would read 0."""
+    outboxes = _outboxes()
+    before, long, short, long_prompt, short_prompt = _tp_then_dp(move_server, seed=127)
+    after = settled(move_server, before)
+    assert _delta(after, before, "moved_to_dp") == 1
+    steps = _delta(after, before, "moved_peer_steps")
+    assert steps >= 2, steps  # its prefill and at least one decode step
+    assert _outboxes() <= outboxes  # the senders' outboxes are reused, not one per move
+    assert short["output_ids"] == greedy_tokens(demo_model_dir, short_prompt, SHORT)
+    assert long["output_ids"] == greedy_tokens(demo_model_dir, long_prompt, LONG)
+    assert _delta(after, before, "prefill_tokens") == len(long_prompt) + len(short_prompt)
 
 
 def _stream_ids(server, ids: list[int], n: int, headers: dict) -> tuple[list[int], dict, int]:
@@ -193,16 +225,23 @@ def _arm(server, stage: str, rank: int) -> None:
     assert r.status_code == 200, r.text
 
 
-@pytest.mark.parametrize("rank", [0, 1])
-def test_a_fault_while_moving_to_dp_ends_that_session_only(move_server, demo_model_dir, rank):
+@pytest.mark.parametrize(("rank", "sender"), [(0, 0), (1, 1), (0, 1), (1, 0)])
+def test_a_fault_while_moving_to_dp_ends_that_session_only(move_server, demo_model_dir, rank,
+                                                           sender):
+    """The fault on the move's sender (the member the DP request arrived at: it has
+    published nothing) or on its taker (the sender publishes and disowns the request:
+    the taker answers it, leader or not)."""
+    outboxes = _outboxes()
     _arm(move_server, "move", rank)
-    before, long, short, long_prompt, short_prompt = _tp_then_dp(move_server, seed=83 + rank)
+    before, long, short, long_prompt, short_prompt = _tp_then_dp(
+        move_server, seed=83 + 2 * rank + sender, short_rank=sender)
     after = settled(move_server, before)
     assert _delta(after, before, "faulted_sessions") >= 1
     assert _delta(after, before, "moved_to_dp") == 0
     # The leader re-ran the group's request in DP (nothing sent yet) or resumed it there
     # from its tokens so far (SGLang's partial outputs every 50 tokens): one answer.
     assert _delta(after, before, "rerun_in_dp") + _delta(after, before, "resumed_in_dp") == 1
+    assert _outboxes() <= outboxes
     assert long["output_ids"] == greedy_tokens(demo_model_dir, long_prompt, LONG)
     assert short["output_ids"] == greedy_tokens(demo_model_dir, short_prompt, SHORT)
 

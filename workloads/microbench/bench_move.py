@@ -7,7 +7,9 @@ One Flying server (``--dp-size 2 --flying-move-to-dp all``). For each context le
   KV head shards gathered from the other member). The ``move_ms_sum`` /
   ``moved_tokens`` / ``moved_bytes`` deltas (``/flying/status``) of the member that took
   it give the cost (before session 60 the leader's only: a move onto the other member
-  went uncounted, hence runs of "1/3").
+  went uncounted, hence runs of "1/3"); the other member's ``move_ms_sum`` delta is how
+  long the sender's own DP work paused for it (publishing its rows), and the taker's
+  ``moved_peer_steps`` how many steps the sender ran while the move was in flight.
 - DP -> TP: a DP request with that prompt runs on engine 0; a short TP-2 request binds
   the group and the running request joins it (its KV scattered into both members'
   shards). The leader's ``join_ms_sum`` / ``moved_tokens_to_tp`` deltas give the cost.
@@ -107,8 +109,10 @@ def _one(server, ids: list[int], to_dp: bool) -> tuple[float, int, int] | None:
         engines_after = _engines(server)
         rank = _moved_on(engines_before, engines_after)
         b, a = engines_before[rank], engines_after[rank]
+        sb, sa = engines_before[1 - rank], engines_after[1 - rank]  # the sender
         return (a["move_ms_sum"] - b["move_ms_sum"], a["moved_tokens"] - b["moved_tokens"],
-                a["moved_bytes"] - b["moved_bytes"])
+                a["moved_bytes"] - b["moved_bytes"], sa["move_ms_sum"] - sb["move_ms_sum"],
+                a.get("moved_peer_steps", 0) - b.get("moved_peer_steps", 0))
     after = _leader(server)
     return (after["join_ms_sum"] - before["join_ms_sum"],
             after["moved_tokens_to_tp"] - before["moved_tokens_to_tp"], 0)
@@ -174,7 +178,11 @@ def run(model_args: list[str], contexts: list[int], repeats: int, out: Path,
                          for i in range(repeats)]
                 got = [g for g in tries if g is not None]
                 nbytes = statistics.median(g[2] for g in got) if got else 0
-                peer = f"{nbytes / 2**20:.2f} MiB" if to_dp else "the same, leader -> member"
+                peer = "the same, leader -> member"
+                if to_dp and got:  # and what the sender's own DP work saw of the move
+                    peer = (f"{nbytes / 2**20:.2f} MiB; the sender paused "
+                            f"{statistics.median(g[3] for g in got):.2f} ms and stepped "
+                            f"{statistics.median(g[4] for g in got):.0f}x meanwhile")
                 rows.append(_row("TP-2 -> DP" if to_dp else "DP -> TP-2", n, got, repeats, peer))
     finally:
         server.stop()
