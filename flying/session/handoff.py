@@ -147,7 +147,7 @@ class Taking:
             time.sleep(delay_s)
             while self.waiting:
                 rank, adoption = self.next(tp_pool, n)
-                shards[rank] = adoption.block.clone()
+                shards[rank] = adoption.whole().clone()
                 self.taken(rank, adoption)
             return None, shards
         slots = tp_scope.take_dp_slots(scheduler, n)  # disjoint from the rows tp_slots are in
@@ -173,6 +173,7 @@ class Taking:
         while self.waiting:
             try:
                 rank, adoption = self.next(tp_pool, n)
+                adoption.whole()  # published in full: the sender has let them go
             except Exception:  # noqa: BLE001 - poisoned, gone, or not the block expected
                 break
             self.taken(rank, adoption)

@@ -17,12 +17,15 @@ a kept one only the copy. It grows (a new generation: the old file is unlinked) 
 move needs more room, up to ``MAX_BYTES``::
 
     [int64 x 16: magic, 1, size, 0 (``shm_segment``'s header), tokens, steps at
-     publish, steps now, ready seq, taken seq, 0...][a shard block [layers, 2, n, h, d]]
+     publish, steps now, seq, taken seq, layers written, 0...]
+    [a shard block [layers, 2, n, h, d]]
 
-Protocol (one writer per word): the owner writes the block, then ``tokens`` and the
-steps, then ``ready`` = the move's sequence number (agreed in the move's all-gather);
-the taker waits for ``ready`` to equal it, reads the block, and writes ``taken`` = it.
-The outbox is free again once ``taken == ready``; until then the owner writes its own
+Protocol (one writer per word): the owner writes ``tokens``, the steps and ``layers
+written`` = 0, then ``seq`` = the move's sequence number (agreed in the move's
+all-gather), then the block layer by layer, raising ``layers written`` after each; the
+taker waits for ``seq`` to equal it and writes each layer into its pool once it is
+written (the two copies overlap layer by layer, as the segment's chunks did), then
+writes ``taken`` = it. The outbox is free again once ``taken == seq``; until then the owner writes its own
 step counter into ``steps`` at each of its boundaries (``Outbox.note``), so the taker
 reads how many steps the sender ran while the move was in flight
 (``Adoption.peer_steps``), the evidence that no engine waited for a peer. Stores are
@@ -50,7 +53,7 @@ from flying.substrate import kv_relayout, shm_segment
 PREFIX = "flying_mv_"
 HEADER_WORDS = 16
 HEADER_BYTES = 8 * HEADER_WORDS
-_TOKENS, _STEPS_AT, _STEPS, _READY, _TAKEN = 4, 5, 6, 7, 8
+_TOKENS, _STEPS_AT, _STEPS, _SEQ, _TAKEN, _LAYERS = 4, 5, 6, 7, 8, 9
 #: The largest outbox (bytes); a move needing more streams in step with its taker
 #: instead (``flying.session.handoff.applies``).
 MAX_BYTES = 256 * 2**20
@@ -101,7 +104,7 @@ class Outbox:
 
     @property
     def free(self) -> bool:
-        return self.header is not None and self.header[_TAKEN] == self.header[_READY]
+        return self.header is not None and self.header[_TAKEN] == self.header[_SEQ]
 
     def ready_for(self, nbytes: int) -> tuple[int, int]:
         """Before a move's all-gather: make room for ``nbytes`` (``block_bytes``) and
@@ -130,12 +133,16 @@ class Outbox:
         shape = block_shape(pool, slots.numel())
         assert self.mm is not None and self.free and block_bytes(pool, slots.numel()) <= len(self.mm)
         block = _block(self.mm, shape, pool.k_buffer[0].dtype)
-        kv_relayout.read_block(pool, slots, out=block)
-        del block
         self.seq += 1
         h = self.header
-        h[_TOKENS], h[_STEPS_AT], h[_STEPS] = slots.numel(), steps, steps
-        h[_READY] = self.seq  # last: the block is whole once a reader sees it
+        h[_TOKENS], h[_STEPS_AT], h[_STEPS], h[_LAYERS] = slots.numel(), steps, steps, 0
+        h[_SEQ] = self.seq  # after the words above: a reader of this seq sees them
+        rows = kv_relayout.rows_of(slots, pool.k_buffer[0].device)
+        for layer, (k, v) in enumerate(zip(pool.k_buffer, pool.v_buffer, strict=True)):
+            kv_relayout.get_rows(k, rows, block[layer, 0])
+            kv_relayout.get_rows(v, rows, block[layer, 1])
+            h[_LAYERS] = layer + 1  # after its bytes: the taker may write it now
+        del block
         self.deadline = time.monotonic() + keep_s
         return self.seq
 
@@ -146,7 +153,7 @@ class Outbox:
         if self.header is None or self.free:
             return False
         if time.monotonic() > self.deadline:
-            self.header[_TAKEN] = self.header[_READY]
+            self.header[_TAKEN] = self.header[_SEQ]
             return False
         self.header[_STEPS] = steps
         return True
@@ -162,15 +169,33 @@ class Outbox:
 
 
 class Adoption:
-    """A peer's published block as the taker reads it (``Inbox.adopt``)."""
+    """A peer's published block as the taker reads it (``Inbox.adopt``), written by its
+    owner layer by layer while the taker reads the layers already there."""
 
-    def __init__(self, header: np.ndarray, block: torch.Tensor, seq: int):
+    def __init__(self, header: np.ndarray, block: torch.Tensor, seq: int, wait):
         self.header, self.block, self.seq = header, block, seq
+        self._wait = wait  # wait(cond, what): until cond() or the peer's failure
         self.peer_steps = 0  # steps the sender ran between publishing and ``take``
 
+    def layer(self, layer: int) -> torch.Tensor:
+        """Layer ``layer`` of the block (``[2, n, h, d]``) once its owner wrote it."""
+        header = self.header
+        self._wait(lambda: header[_LAYERS] > layer, f"layer {layer}")
+        return self.block[layer]
+
+    def whole(self) -> torch.Tensor:
+        """The whole block once written (``[layers, 2, n, h, d]``)."""
+        self.layer(self.block.shape[0] - 1)
+        return self.block
+
     def write_into(self, pool, slots: torch.Tensor, heads: slice) -> None:
-        """Heads ``heads`` of rows ``slots`` of the DP ``pool`` = the block's tokens."""
-        kv_relayout.write_block(pool, slots, self.block, heads)
+        """Heads ``heads`` of rows ``slots`` of the DP ``pool`` = the block's tokens,
+        each layer as soon as it is written."""
+        rows = kv_relayout.rows_of(slots, pool.k_buffer[0].device)
+        for layer, (k, v) in enumerate(zip(pool.k_buffer, pool.v_buffer, strict=True)):
+            kv = self.layer(layer)
+            kv_relayout.put_rows(k[:, heads], rows, kv[0])
+            kv_relayout.put_rows(v[:, heads], rows, kv[1])
 
     def take(self) -> None:
         """The block is read: note the sender's steps and hand its outbox back."""
@@ -207,30 +232,46 @@ class Inbox:
         shard of ``pool``'s shape and dtype. Waits for it; raises RuntimeError if
         ``failed()`` gives a reason first (the peer's fault: the group's poison word,
         or its process gone) or after ``timeout_s``."""
-        start, sleep = time.perf_counter(), 5e-5
-        while True:
+        found: list = [None, None]  # the mapping and its header, once the outbox is there
+
+        def announced() -> bool:
             mm = self._mapping(pid, generation)
-            header = None if mm is None else np.frombuffer(mm, dtype=np.int64, count=HEADER_WORDS)
-            if header is not None and header[_READY] == seq:
-                break
-            why = failed()
-            waited = time.perf_counter() - start
-            if why is None and waited > timeout_s:
-                why = f"timed out after {waited:.2f} s"
-            if why is not None:
-                raise RuntimeError(f"flying: the KV rows of move {seq} from pid {pid} never "
-                                   f"came: {why}")
-            if waited < SPIN_S:
-                os.sched_yield()
-            else:
-                time.sleep(sleep)
-                sleep = min(2 * sleep, MAX_SLEEP_S)
+            if mm is None:
+                return False
+            found[:] = mm, np.frombuffer(mm, dtype=np.int64, count=HEADER_WORDS)
+            return found[1][_SEQ] == seq
+
+        def wait(cond, what: str) -> None:
+            _wait(cond, failed, timeout_s, f"{what} of move {seq} from pid {pid}")
+
+        wait(announced, "the KV rows")
+        mm, header = found
         if int(header[_TOKENS]) != n or block_bytes(pool, n) > len(mm):
             raise RuntimeError(f"flying: move {seq} from pid {pid} holds {int(header[_TOKENS])} "
                                f"tokens, expected {n}")
-        return Adoption(header, _block(mm, block_shape(pool, n), pool.k_buffer[0].dtype), seq)
+        return Adoption(header, _block(mm, block_shape(pool, n), pool.k_buffer[0].dtype), seq, wait)
 
     def close(self) -> None:
         for _, mm in self.maps.values():
             shm_segment.release(mm)
         self.maps.clear()
+
+
+def _wait(cond: Callable[[], bool], failed: Callable[[], str | None], timeout_s: float,
+          what: str) -> None:
+    """Until ``cond()``: spins (sched_yield) for ``SPIN_S``, then sleeps, doubling up to
+    ``MAX_SLEEP_S``; raises RuntimeError with ``failed()``'s reason, or after
+    ``timeout_s``."""
+    start, sleep = time.perf_counter(), 5e-5
+    while not cond():
+        why = failed()
+        waited = time.perf_counter() - start
+        if why is None and waited > timeout_s:
+            why = f"timed out after {waited:.2f} s"
+        if why is not None:
+            raise RuntimeError(f"flying: {what} never came: {why}")
+        if waited < SPIN_S:
+            os.sched_yield()
+        else:
+            time.sleep(sleep)
+            sleep = min(2 * sleep, MAX_SLEEP_S)

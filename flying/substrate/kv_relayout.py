@@ -107,9 +107,10 @@ def write_block(pool, slots: torch.Tensor, block: torch.Tensor,
     """Write ``block`` (``[layers, 2, n, h, d]``) into heads ``heads`` of ``slots``
     (all of them by default: h = the pool's heads)."""
     rows = rows_of(slots, pool.k_buffer[0].device)
+    whole = heads == slice(None)
     for layer, (k, v) in enumerate(zip(pool.k_buffer, pool.v_buffer, strict=True)):
-        put_rows(k[:, heads], rows, block[layer, 0])
-        put_rows(v[:, heads], rows, block[layer, 1])
+        put_rows(k if whole else k[:, heads], rows, block[layer, 0])
+        put_rows(v if whole else v[:, heads], rows, block[layer, 1])
 
 
 def write_shards(pool, slots: torch.Tensor, shards: list[torch.Tensor],

@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -72,6 +74,37 @@ def test_adopted_rows_are_the_senders_rows_in_token_order(shm_dir, dtype):
     outbox.close()
     inbox.close()
     assert not list(shm_dir.iterdir())
+
+
+def test_the_taker_writes_each_layer_while_the_sender_still_writes_the_next(shm_dir, monkeypatch):
+    sender, dp = _pool(3), _pool(4, heads=2 * HEADS)
+    outbox, inbox = kv_publish.Outbox(shm_dir), kv_publish.Inbox(shm_dir)
+    src, dst = torch.tensor([8, 9, 10, 40]), torch.tensor([1, 2, 3, 4])
+    address = outbox.ready_for(kv_publish.block_bytes(sender, 4))
+    get_rows, seen = kv_publish.kv_relayout.get_rows, []
+
+    def slow_get_rows(buf, rows, out):  # the sender's copy of each layer takes a while
+        time.sleep(0.02)
+        get_rows(buf, rows, out)
+
+    def slow_put_rows(buf, rows, src_rows):  # what the sender had written by then
+        seen.append(int(outbox.header[kv_publish._LAYERS]))
+        put_rows(buf, rows, src_rows)
+
+    put_rows = kv_publish.kv_relayout.put_rows
+    monkeypatch.setattr(kv_publish.kv_relayout, "get_rows", slow_get_rows)
+    monkeypatch.setattr(kv_publish.kv_relayout, "put_rows", slow_put_rows)
+    sending = threading.Thread(target=outbox.publish, args=(sender, src, 0, 30))
+    sending.start()
+    adoption = _adopt(inbox, sender, 4, address)
+    adoption.write_into(dp, dst, slice(0, HEADS))
+    adoption.take()
+    sending.join()
+    for layer in range(LAYERS):
+        assert torch.equal(dp.k_buffer[layer][dst][:, :HEADS], sender.k_buffer[layer][src])
+        assert torch.equal(dp.v_buffer[layer][dst][:, :HEADS], sender.v_buffer[layer][src])
+    assert seen[0] < LAYERS  # the first layer was written before the last was published
+    assert seen == sorted(seen) and all(n > i // 2 for i, n in enumerate(seen))
 
 
 def test_a_block_not_yet_ready_is_waited_for_then_refused_with_the_reason(shm_dir):
