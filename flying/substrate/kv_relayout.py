@@ -86,31 +86,26 @@ def put_rows(buf: torch.Tensor, rows: Rows, src: torch.Tensor) -> None:
         buf[pool_rows].copy_(src[block_rows])
 
 
-def read_block(pool, slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def read_block(pool, slots: torch.Tensor) -> torch.Tensor:
     """The K and V rows of ``slots`` in ``pool`` (a DP pool or a TP view of one):
     ``[layers, 2, n, heads, d]``, a copy, written straight into the block (SGLang keeps
-    one buffer per layer, so no single gather spans the layers): into ``out`` when
-    given (that shape, contiguous), else a scratch block."""
+    one buffer per layer, so no single gather spans the layers)."""
     k0 = pool.k_buffer[0]
     rows = rows_of(slots, k0.device)
-    if out is None:
-        out = scratch.empty((len(pool.k_buffer), 2, slots.numel(), *k0.shape[1:]), k0.dtype,
-                            k0.device)
+    out = scratch.empty((len(pool.k_buffer), 2, slots.numel(), *k0.shape[1:]), k0.dtype,
+                        k0.device)
     for layer, (k, v) in enumerate(zip(pool.k_buffer, pool.v_buffer, strict=True)):
         get_rows(k, rows, out[layer, 0])
         get_rows(v, rows, out[layer, 1])
     return out
 
 
-def write_block(pool, slots: torch.Tensor, block: torch.Tensor,
-                heads: slice = slice(None)) -> None:
-    """Write ``block`` (``[layers, 2, n, h, d]``) into heads ``heads`` of ``slots``
-    (all of them by default: h = the pool's heads)."""
+def write_block(pool, slots: torch.Tensor, block: torch.Tensor) -> None:
+    """Write ``block`` (``[layers, 2, n, heads, d]``, heads = the pool's) into ``slots``."""
     rows = rows_of(slots, pool.k_buffer[0].device)
-    whole = heads == slice(None)
     for layer, (k, v) in enumerate(zip(pool.k_buffer, pool.v_buffer, strict=True)):
-        put_rows(k if whole else k[:, heads], rows, block[layer, 0])
-        put_rows(v if whole else v[:, heads], rows, block[layer, 1])
+        put_rows(k, rows, block[layer, 0])
+        put_rows(v, rows, block[layer, 1])
 
 
 def write_shards(pool, slots: torch.Tensor, shards: list[torch.Tensor],
