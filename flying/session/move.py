@@ -15,11 +15,11 @@ boundary, on every member at the same step,
    between group steps);
 3. every member's head shard of every token goes to the members that take requests.
    In the usual move every request goes to one member, and no member waits for
-   another (``flying.session.handoff``): each other member publishes its rows in a
-   file of its own and returns to its DP work at once, while the taker, when it has
-   the room beside the session's own rows, takes DP slots, copies its own heads from
-   its TP view and then writes each peer's heads from its file (each byte copied once
-   on each side). Where the group cannot publish (replicated heads, no shared memory)
+   another (``flying.session.handoff``): each other member publishes its rows in its
+   outbox and returns to its DP work at once, while the taker, when it has the room
+   beside the session's own rows, takes DP slots, copies its own heads from its TP
+   view and then writes each peer's heads from the peer's outbox, layer by layer as
+   they are written (each byte copied once on each side). Where the group cannot publish (replicated heads, no shared memory)
    the others stream their rows through the group's segment in step with the taker
    (``kv_stream.send_rows`` / ``gather_rows``). Otherwise every member reads
    its shard (``kv_relayout.read_block`` on its TP view), the members gather them, and
