@@ -24,7 +24,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from workloads.measure.records import RequestRecord, load_records
-from workloads.reports.targets import RUNS, _fmt, _stat, _throughput, goodput, quiet_slos
+from workloads.reports.slo_stats import RUNS, goodput, quiet_slos, stat, throughput
+from workloads.reports.targets import _fmt
 
 
 def offered_rate(records: list[RequestRecord]) -> float:
@@ -73,9 +74,9 @@ def sweep(dirs: Sequence[Path], slos: tuple[float, float] | None) -> tuple[list[
     for run in runs:
         recs = run["records"]
         run["goodput"] = {r: goodput(recs[r], *slos) or 0.0 for r in RUNS}
-        run["ttft_p90"] = {r: _stat(recs[r], lambda x: True, "ttft", 90) for r in RUNS}
-        run["tpot_p50"] = {r: _stat(recs[r], lambda x: True, "tpot", 50) for r in RUNS}
-        run["tok_s"] = {r: _throughput(recs[r]) for r in RUNS}
+        run["ttft_p90"] = {r: stat(recs[r], lambda x: True, "ttft", 90) for r in RUNS}
+        run["tpot_p50"] = {r: stat(recs[r], lambda x: True, "tpot", 50) for r in RUNS}
+        run["tok_s"] = {r: throughput(recs[r]) for r in RUNS}
         run["model"] = predicted_vs_measured(run["dir"], recs["flying"])
     return runs, slos
 

@@ -23,7 +23,10 @@ For a directory of rounds (``workloads.compare --rounds N``: ``round1`` .. ``rou
 a whole comparison with its own servers) it prints Flying's ratio per target in every
 round, their median, and whether the median and how many rounds meet the goal: on a
 small shared machine two servers of one layout differ by 10-30 % from one start to the
-next, so one round's ratio says as much about the servers as about the policy.
+next, so one round's ratio says as much about the servers as about the policy. It then
+prints the goodput and throughput targets with every round pooled
+(``workloads.reports.pooled_goodput``): one SLO pair for all rounds, an interval from
+resampling rounds.
 """
 
 from __future__ import annotations
@@ -31,65 +34,21 @@ from __future__ import annotations
 import argparse
 import json
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
 from workloads.measure.records import RequestRecord, load_records
-
-RUNS = ("static-dp", "static-tp", "flying")
-
-
-def _pct(values: Sequence[float], q: float) -> float | None:
-    return float(np.percentile(np.asarray(values), q)) * 1e3 if len(values) else None
-
-
-def _stat(records: list[RequestRecord], pick: Callable[[RequestRecord], bool], metric: str,
-          q: float) -> float | None:
-    ok = [r for r in records if r.success and pick(r)]
-    if metric == "ttft":
-        return _pct([r.ttft_s for r in ok if r.ttft_s is not None], q)
-    if metric == "tpot":
-        return _pct([r.tpot_s for r in ok if r.tpot_s is not None], q)
-    if metric == "itl":
-        return _pct([g for r in ok for g in r.itl_s], q)
-    if metric == "itl_max":
-        gaps = [g for r in ok for g in r.itl_s]
-        return max(gaps) * 1e3 if gaps else None
-    raise ValueError(metric)
-
-
-def _throughput(records: list[RequestRecord]) -> float | None:
-    spans = [(r.send_s, r.end_s) for r in records if r.send_s is not None and r.end_s is not None]
-    if not spans:
-        return None
-    span = max(e for _, e in spans) - min(s for s, _ in spans)
-    return sum(r.output_tokens for r in records if r.success) / span if span > 0 else None
-
-
-def quiet_slos(records: list[RequestRecord], quiet: str | None) -> tuple[float, float]:
-    """(TTFT, TPOT) SLOs in ms: 4x and 1.5x the p50 of ``records``' quiet phase (None:
-    of every record, for a trace without phases)."""
-    def pick(r: RequestRecord) -> bool:
-        return quiet is None or r.phase == quiet
-
-    ttft = _stat(records, pick, "ttft", 50)
-    tpot = _stat(records, pick, "tpot", 50)
-    return 4.0 * (ttft or 0.0), 1.5 * (tpot or 0.0)
-
-
-def goodput(records: list[RequestRecord], ttft_ms: float, tpot_ms: float) -> float | None:
-    """Requests per second that finished within both SLOs, over the run's span."""
-    spans = [(r.send_s, r.end_s) for r in records if r.send_s is not None and r.end_s is not None]
-    if not spans:
-        return None
-    span = max(e for _, e in spans) - min(s for s, _ in spans)
-    good = sum(
-        1 for r in records if r.success and r.ttft_s is not None
-        and r.ttft_s * 1e3 <= ttft_ms and (r.tpot_s is None or r.tpot_s * 1e3 <= tpot_ms)
-    )
-    return good / span if span > 0 else None
+from workloads.reports import pooled_goodput
+from workloads.reports.slo_stats import (
+    RUNS,
+    goodput,
+    quiet_slos,
+    round_dirs,
+    stat,
+    throughput,
+)
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -110,14 +69,14 @@ def rows(records: dict[str, list[RequestRecord]], burst: str, quiet: str,
     ratio = _ratio(good[2], best)
     out.append((f"goodput (req/s, TTFT <= {ttft_slo:.0f} ms, TPOT <= {tpot_slo:.1f} ms)",
                 *good, ratio, 1.0, None if ratio is None else ratio >= 1.0))
-    tputs = [_throughput(records[r]) for r in RUNS]
+    tputs = [throughput(records[r]) for r in RUNS]
     best = max((t for t in tputs[:2] if t is not None), default=None)
     ratio = _ratio(tputs[2], best)
     out.append(("output throughput vs the better static (tok/s)", *tputs, ratio, 0.98,
                 None if ratio is None else ratio >= 0.98))
 
     def add(name, metric, q, pick, goal, against="dp"):
-        dp, tp, fl = (_stat(records[r], pick, metric, q) for r in RUNS)
+        dp, tp, fl = (stat(records[r], pick, metric, q) for r in RUNS)
         base = {"dp": dp, "best": min(v for v in (dp, tp) if v is not None) if dp or tp else None}[against]
         ratio = _ratio(fl, base)
         out.append((name, dp, tp, fl, ratio, goal, None if ratio is None else ratio <= goal))
@@ -127,11 +86,11 @@ def rows(records: dict[str, list[RequestRecord]], burst: str, quiet: str,
     add(f"TPOT p50, phase={quiet} (ms)", "tpot", 50, lambda r: r.phase == quiet, 1.05, "best")
     add("ITL p99 (ms)", "itl", 99, lambda r: True, 1.5)
     add("longest inter-token gap (ms)", "itl_max", 100, lambda r: True, 1.5)
-    dp, tp, fl = (_throughput(records[r]) for r in RUNS)
+    dp, tp, fl = (throughput(records[r]) for r in RUNS)
     ratio = _ratio(fl, dp)
     out.append(("output throughput (tok/s)", dp, tp, fl, ratio, 0.98,
                 None if ratio is None else ratio >= 0.98))
-    prio = [_stat(records[r], lambda r: r.priority == "high", "ttft", 90) for r in RUNS]
+    prio = [stat(records[r], lambda r: r.priority == "high", "ttft", 90) for r in RUNS]
     if prio[2] is not None:
         best = min(v for v in prio[:2] if v is not None)
         out.append(("priority TTFT p90 (ms)", *prio, _ratio(prio[2], best), 1.0, prio[2] < best))
@@ -150,13 +109,6 @@ def render(rows_: list[tuple]) -> str:
             f"{sign} {goal:g}x {against} | {'-' if met is None else ('yes' if met else 'no')} |"
         )
     return "\n".join(lines)
-
-
-def round_dirs(out: Path) -> list[Path]:
-    """``out``'s round directories (``workloads.compare --rounds``) in order; [] for a
-    single comparison."""
-    rounds = [p for p in out.glob("round*") if p.is_dir() and p.name[5:].isdigit()]
-    return sorted(rounds, key=lambda p: int(p.name[5:]))
 
 
 def render_rounds(per_round: list[list[tuple]]) -> str:
@@ -263,6 +215,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         for d in rounds:
             counters = flying_counters(d)
             print(f"\n{d.name}: Flying engines (summed over engines): {counters or '-'}")
+        pooled = pooled_goodput.report(args.out, args.quiet, (args.slo_ttft, args.slo_tpot))
+        if pooled:
+            print(f"\n{pooled}")
         return
     records, burst, quiet, slos = _inputs(args.out, args)
     if args.plot:
