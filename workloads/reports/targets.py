@@ -24,9 +24,8 @@ a whole comparison with its own servers) it prints Flying's ratio per target in 
 round, their median, and whether the median and how many rounds meet the goal: on a
 small shared machine two servers of one layout differ by 10-30 % from one start to the
 next, so one round's ratio says as much about the servers as about the policy. It then
-prints the goodput and throughput targets with every round pooled
-(``workloads.reports.pooled_goodput``): one SLO pair for all rounds, an interval from
-resampling rounds.
+prints the targets with every round's requests pooled (``workloads.reports.
+pooled_targets``): one SLO pair for all rounds, an interval from resampling rounds.
 """
 
 from __future__ import annotations
@@ -40,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from workloads.measure.records import RequestRecord, load_records
-from workloads.reports import pooled_goodput
+from workloads.reports import pooled_targets
 from workloads.reports.slo_stats import (
     RUNS,
     goodput,
@@ -215,7 +214,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         for d in rounds:
             counters = flying_counters(d)
             print(f"\n{d.name}: Flying engines (summed over engines): {counters or '-'}")
-        pooled = pooled_goodput.report(args.out, args.quiet, (args.slo_ttft, args.slo_tpot))
+        pooled = pooled_targets.report(args.out, args.burst, args.quiet,
+                                       (args.slo_ttft, args.slo_tpot))
         if pooled:
             print(f"\n{pooled}")
         return

@@ -1,18 +1,19 @@
-"""``workloads.reports.pooled_goodput``: #21's goodput targets over compare rounds pooled."""
+"""``workloads.reports.pooled_targets``: #21's targets over compare rounds, pooled."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from workloads.measure.records import RequestRecord, save_records
-from workloads.reports.pooled_goodput import Tally, compare, figures, pooled_slos, report, tallies
+from workloads.reports.pooled_targets import Run, compare, figures, pooled_slos, report, runs
 
 pytestmark = pytest.mark.unit
 
 
 def _run(ttft_ms: float, n: int = 10, gap_s: float = 1.0) -> list[RequestRecord]:
     """``n`` requests ``gap_s`` apart, each of 5 tokens 20 ms apart after a first token of
-    ``ttft_ms``; the first half in phase "low"."""
+    ``ttft_ms``; the first half in phase "low", the rest in "burst"."""
     out = []
     for i in range(n):
         ttft = ttft_ms / 1e3
@@ -27,6 +28,11 @@ def _span(records: list[RequestRecord]) -> float:
     return records[-1].end_s - records[0].send_s
 
 
+def _tally(good: int) -> Run:
+    return Run(good, 100, 10.0, {"burst ttft": np.array([0.1]), "quiet ttft": np.array([0.1]),
+                                 "quiet tpot": np.array([0.02]), "all itl": np.array([0.02])})
+
+
 def test_goodput_pools_every_rounds_requests_over_the_sum_of_their_spans():
     # round 1: Flying slow (every request past 400 ms); round 2: static DP slow
     rounds = [
@@ -35,27 +41,42 @@ def test_goodput_pools_every_rounds_requests_over_the_sum_of_their_spans():
     ]
     slos = pooled_slos(rounds, "low")
     assert slos == pytest.approx((400.0, 30.0))  # static TP's quiet TTFT 100 ms, TPOT 20
-    counted = tallies(rounds, slos)
-    assert counted[0]["flying"] == Tally(0, 50, pytest.approx(_span(rounds[0]["flying"])))
+    counted = runs(rounds, slos)
+    assert (counted[0]["flying"].good, counted[0]["flying"].tokens) == (0, 50)
     got = figures(counted, [0, 1])
     dp = 10 / (_span(rounds[0]["static-dp"]) + _span(rounds[1]["static-dp"]))
     tp = 20 / (_span(rounds[0]["static-tp"]) + _span(rounds[1]["static-tp"]))
     fl = 20 / (_span(rounds[0]["flying"]) + _span(rounds[1]["flying"]))
-    assert got["goodput"][:3] == pytest.approx((dp, tp, fl))
-    assert got["goodput"][3] == pytest.approx(fl / max(dp, tp))
+    assert got["goodput (req/s)"][:3] == pytest.approx((dp, tp, fl))
+    assert got["goodput (req/s)"][3] == pytest.approx(fl / max(dp, tp))
     tokens = 150 / (_span(rounds[0]["flying"]) + _span(rounds[1]["flying"]))
-    assert got["throughput"][2] == pytest.approx(tokens)
+    assert got["throughput (tok/s)"][2] == pytest.approx(tokens)
+
+
+def test_latency_figures_are_percentiles_of_every_rounds_requests():
+    rounds = [
+        {"static-dp": _run(100), "static-tp": _run(50), "flying": _run(500)},
+        {"static-dp": _run(100), "static-tp": _run(50), "flying": _run(100, n=30)},
+    ]
+    got = figures(runs(rounds, (400.0, 30.0)), [0, 1])
+    # Flying's quiet first tokens: 5 at 500 ms and 15 at 100 ms pooled
+    quiet = float(np.percentile([0.5] * 5 + [0.1] * 15, 50)) * 1e3
+    assert got["TTFT p50, quiet (ms)"][2] == pytest.approx(quiet)
+    assert got["TTFT p50, quiet (ms)"][3] == pytest.approx(quiet / 50.0)  # the better: TP
+    burst = float(np.percentile([0.5] * 5 + [0.1] * 15, 90)) * 1e3
+    assert got["TTFT p90, burst (ms)"][3] == pytest.approx(burst / 100.0)  # against DP
+    assert got["ITL p99 (ms)"][3] == pytest.approx(1.0)
 
 
 def test_the_interval_resamples_rounds_and_brackets_the_ratio():
-    same = [{"static-dp": Tally(10, 100, 10.0), "static-tp": Tally(8, 100, 10.0),
-             "flying": Tally(10, 100, 10.0)} for _ in range(4)]
+    same = [{"static-dp": _tally(10), "static-tp": _tally(8), "flying": _tally(10)}
+            for _ in range(4)]
     rows = {r[0]: r for r in compare(same)}
-    assert rows["goodput"][4:] == pytest.approx((1.0, 1.0, 1.0))  # ratio, low, high
-    spread = [{"static-dp": Tally(10, 100, 10.0), "static-tp": Tally(8, 100, 10.0),
-               "flying": Tally(g, 100, 10.0)} for g in (6, 9, 12, 13)]
+    assert rows["goodput (req/s)"][4:] == pytest.approx((1.0, 1.0, 1.0))  # ratio, low, high
+    spread = [{"static-dp": _tally(10), "static-tp": _tally(8), "flying": _tally(g)}
+              for g in (6, 9, 12, 13)]
     label, _dp, _tp, fl, ratio, low, high = compare(spread)[0]
-    assert label == "goodput" and fl == pytest.approx(1.0) and ratio == pytest.approx(1.0)
+    assert label == "goodput (req/s)" and fl == pytest.approx(1.0) and ratio == pytest.approx(1.0)
     assert 0.6 <= low < ratio < high <= 1.3
     assert compare([]) == []
 
