@@ -96,3 +96,7 @@ def test_targets_prints_the_pooled_table_after_the_rounds(tmp_path, capsys):
     ratio = (20 / (2 * fast + slow)) / (30 / (3 * fast))  # 20 of Flying's 30 within SLO
     assert f"| {ratio:.2f} |" in line, line
     assert report(tmp_path / "round1") == ""  # not a directory of rounds
+    assert "TTFT p90, burst" in out and "TTFT p90, idle" not in out
+    # a trace without the phases: the SLOs from every request, no phase rows
+    assert "TTFT p50, quiet" not in report(tmp_path, burst="idle", quiet="none")
+    assert "TTFT p90, burst" not in report(tmp_path, burst="idle", quiet="none")

@@ -145,7 +145,8 @@ def compare(rounds: Sequence[dict[str, Run]], draws: int = 2000, seed: int = 0,
     tail = (1.0 - level) / 2 * 100
     rows = []
     for label, row in whole.items():
-        low, high = np.nanpercentile(drawn[label], [tail, 100 - tail])
+        finite = [x for x in drawn[label] if not np.isnan(x)]
+        low, high = np.percentile(finite, [tail, 100 - tail]) if finite else (np.nan, np.nan)
         rows.append((label, *row, float(low), float(high)))
     return rows
 
@@ -159,6 +160,8 @@ def table(rows: list[tuple], rounds: int, slos: tuple[float, float],
              "|---|---:|---:|---:|---:|---:|---|"]
     goals = {label: (sign, goal, against) for label, _s, _q, against, sign, goal in FIGURES}
     for label, dp, tp, fl, ratio, low, high in rows:
+        if np.isnan(fl):  # a phase the trace does not have
+            continue
         sign, goal, against = goals[label]
         versus = "static DP" if against == "dp" else "better static"
         lines.append(f"| {label} | {dp:.2f} | {tp:.2f} | {fl:.2f} | {ratio:.2f} | "
