@@ -40,16 +40,6 @@ PROBE_PROMPT = [11, 42, 7, 300, 5, 99, 64, 128, 3, 250, 17, 81]
 #: 32 / 57 / 83 / 67): a line from batch 1 to 4 read batches 2-3 25-34 % low. Traffic
 #: fills in the rest.
 CALIBRATE_BATCH, CALIBRATE_PROMPT, CALIBRATE_STEPS = 4, 128, 8
-#: Last, one DP request alone on each engine in turn, of ALONE_TOKENS tokens: DP's
-#: single-request point measured as a group's is (alone on the machine). The staggered
-#: batch times DP's batch-1 steps with every engine stepping at once (two engines on two
-#: cores beside the HTTP and detokenizer processes), and the probe's DP request runs on
-#: one engine only, right after SGLang's warm-up: on the demo model the node's DP point
-#: (the engines' mean) read 4.9-5.6 ms at start-up and fell to 4.3-4.8 once serving,
-#: while TP-2's read 4.8-5.2 from its requests alone; in two of eight cpu-burst rounds
-#: the start-up put TP-2 12 % faster, the node formed the group for latency, and the
-#: group, 35 % slower in fact, served the next burst (docs/BENCHMARKS.md, #21 session 65).
-ALONE_TOKENS = 24
 
 _SECRET = secrets.token_hex(16)  # HTTP process only; never leaves it
 _STATE = {"gate": PROBING}
@@ -142,9 +132,8 @@ def calibration_asks(degree: int, engines: int) -> list[tuple[int | None, int]]:
 
 def calibrate(url: str, degrees: list[int], engines: int) -> None:
     """Step-cost calibration: for DP and each degree, a prompt alone (its prefill) and a
-    staggered batch (``calibration_asks``), then DP alone on each engine in turn
-    (``ALONE_TOKENS``); the engines time the steps (``flying.session.step_costs``).
-    Never raises: the curves are advice."""
+    staggered batch (``calibration_asks``); the engines time the steps
+    (``flying.session.step_costs``). Never raises: the curves are advice."""
     from concurrent.futures import ThreadPoolExecutor
 
     prompt = [PROBE_PROMPT[i % len(PROBE_PROMPT)] + i % 7 for i in range(CALIBRATE_PROMPT)]
@@ -155,8 +144,6 @@ def calibrate(url: str, degrees: list[int], engines: int) -> None:
             asks = calibration_asks(degree, engines)
             with ThreadPoolExecutor(len(asks)) as pool:
                 list(pool.map(lambda a, d=degree: _ask(url, d, prompt, a[1], a[0]), asks))
-        for engine in range(engines):
-            _ask(url, 1, prompt, ALONE_TOKENS, engine)
     except Exception as exc:  # noqa: BLE001
         logger.warning("Flying: step-cost calibration incomplete: %s", exc)
     logger.info("Flying: step costs calibrated in %.1f s", time.monotonic() - started)
