@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -65,6 +65,26 @@ def figures(rounds: Sequence[dict[str, np.ndarray]], picks: Sequence[int]) -> di
     return {label: float(np.percentile(pooled[s], q)) for label, s, q in FIGURES}
 
 
+def intervals(n: int, ratios: Callable[[list[int]], dict[str, float]], draws: int = 2000,
+              seed: int = 0, level: float = 0.90) -> dict[str, tuple[float, float]]:
+    """Per label: the ``level`` interval of ``ratios(picks)`` over ``draws`` resamples of
+    ``n`` rounds with replacement (``picks``: round indices, repeats allowed; a draw
+    whose ratio is nan is left out). Both pooled reports resample this way."""
+    rng = np.random.default_rng(seed)
+    drawn: dict[str, list[float]] = {}
+    for _ in range(draws):
+        picks = rng.integers(0, n, n).tolist()
+        for label, ratio in ratios(picks).items():
+            drawn.setdefault(label, []).append(ratio)
+    tail = (1.0 - level) / 2 * 100
+    out = {}
+    for label, values in drawn.items():
+        finite = [v for v in values if not np.isnan(v)]
+        low, high = np.percentile(finite, [tail, 100 - tail]) if finite else (np.nan, np.nan)
+        out[label] = (float(low), float(high))
+    return out
+
+
 def compare(a: Sequence[dict[str, np.ndarray]], b: Sequence[dict[str, np.ndarray]],
             draws: int = 2000, seed: int = 0, level: float = 0.90) -> list[tuple]:
     """Per figure: (label, pooled a (ms), pooled b (ms), a / b, low, high): the ratio's
@@ -74,20 +94,14 @@ def compare(a: Sequence[dict[str, np.ndarray]], b: Sequence[dict[str, np.ndarray
         return []
     every = list(range(n))
     fa, fb = figures(a, every), figures(b, every)
-    rng = np.random.default_rng(seed)
-    ratios: dict[str, list[float]] = {label: [] for label, _, _ in FIGURES}
-    for _ in range(draws):
-        picks = rng.integers(0, n, n).tolist()
+
+    def ratios(picks: list[int]) -> dict[str, float]:
         ra, rb = figures(a, picks), figures(b, picks)
-        for label in ratios:
-            ratios[label].append(ra[label] / rb[label])
-    tail = (1.0 - level) / 2 * 100
-    rows = []
-    for label, _, _ in FIGURES:
-        low, high = np.percentile(ratios[label], [tail, 100 - tail])
-        rows.append((label, fa[label] * 1e3, fb[label] * 1e3, fa[label] / fb[label],
-                     float(low), float(high)))
-    return rows
+        return {label: ra[label] / rb[label] for label in ra}
+
+    bands = intervals(n, ratios, draws, seed, level)
+    return [(label, fa[label] * 1e3, fb[label] * 1e3, fa[label] / fb[label], *bands[label])
+            for label, _, _ in FIGURES]
 
 
 def table(rows: list[tuple], names: tuple[str, str], rounds: int, level: float = 0.90) -> str:

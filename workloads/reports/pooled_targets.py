@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from workloads.measure.records import RequestRecord, load_records
+from workloads.reports.pooled import intervals
 from workloads.reports.slo_stats import (
     RUNS,
     output_tokens,
@@ -131,24 +132,14 @@ def figures(rounds: Sequence[dict[str, Run]], picks: Sequence[int]) -> dict[str,
 def compare(rounds: Sequence[dict[str, Run]], draws: int = 2000, seed: int = 0,
             level: float = 0.90) -> list[tuple]:
     """Per figure: (label, DP, TP, Flying, ratio, low, high): the ratio's ``level``
-    interval from ``draws`` resamples of the rounds."""
+    interval from ``draws`` resamples of the rounds (``pooled.intervals``)."""
     n = len(rounds)
     if n == 0:
         return []
     whole = figures(rounds, range(n))
-    rng = np.random.default_rng(seed)
-    drawn: dict[str, list[float]] = {label: [] for label in whole}
-    for _ in range(draws):
-        picks = rng.integers(0, n, n).tolist()
-        for label, row in figures(rounds, picks).items():
-            drawn[label].append(row[3])
-    tail = (1.0 - level) / 2 * 100
-    rows = []
-    for label, row in whole.items():
-        finite = [x for x in drawn[label] if not np.isnan(x)]
-        low, high = np.percentile(finite, [tail, 100 - tail]) if finite else (np.nan, np.nan)
-        rows.append((label, *row, float(low), float(high)))
-    return rows
+    bands = intervals(n, lambda picks: {label: row[3] for label, row in
+                                        figures(rounds, picks).items()}, draws, seed, level)
+    return [(label, *row, *bands[label]) for label, row in whole.items()]
 
 
 def table(rows: list[tuple], rounds: int, slos: tuple[float, float],
