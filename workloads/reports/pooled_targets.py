@@ -45,6 +45,7 @@ from workloads.reports.slo_stats import (
     output_tokens,
     quiet_slos,
     round_dirs,
+    samples,
     span,
     within_slo,
 )
@@ -80,17 +81,11 @@ def pooled_slos(rounds: Sequence[dict[str, list[RequestRecord]]],
 
 
 def _samples(records: list[RequestRecord], burst: str, quiet: str) -> dict[str, np.ndarray]:
-    ok = [r for r in records if r.success]
     phases: dict[str, Callable[[RequestRecord], bool]] = {
         "burst": lambda r: r.phase == burst, "quiet": lambda r: r.phase == quiet,
         "all": lambda r: True}
-    out = {}
-    for key, pick in phases.items():
-        mine = [r for r in ok if pick(r)]
-        out[f"{key} ttft"] = np.array([r.ttft_s for r in mine if r.ttft_s is not None])
-        out[f"{key} tpot"] = np.array([r.tpot_s for r in mine if r.tpot_s is not None])
-        out[f"{key} itl"] = np.array([g for r in mine for g in r.itl_s])
-    return out
+    return {f"{key} {metric}": np.array(samples(records, pick, metric))
+            for key, pick in phases.items() for metric in ("ttft", "tpot", "itl")}
 
 
 def runs(rounds: Sequence[dict[str, list[RequestRecord]]], slos: tuple[float, float],

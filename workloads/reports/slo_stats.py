@@ -23,21 +23,28 @@ def pct(values: Sequence[float], q: float) -> float | None:
     return float(np.percentile(np.asarray(values), q)) * 1e3 if len(values) else None
 
 
-def stat(records: list[RequestRecord], pick: Callable[[RequestRecord], bool], metric: str,
-         q: float) -> float | None:
-    """The ``q``-th percentile (ms) of ``metric`` (ttft, tpot, itl; itl_max: the longest
-    gap) over the successful requests ``pick`` takes."""
+def samples(records: list[RequestRecord], pick: Callable[[RequestRecord], bool],
+            metric: str) -> list[float]:
+    """Seconds of ``metric`` (ttft, tpot, or itl: every gap) over the successful
+    requests ``pick`` takes."""
     ok = [r for r in records if r.success and pick(r)]
     if metric == "ttft":
-        return pct([r.ttft_s for r in ok if r.ttft_s is not None], q)
+        return [r.ttft_s for r in ok if r.ttft_s is not None]
     if metric == "tpot":
-        return pct([r.tpot_s for r in ok if r.tpot_s is not None], q)
+        return [r.tpot_s for r in ok if r.tpot_s is not None]
     if metric == "itl":
-        return pct([g for r in ok for g in r.itl_s], q)
-    if metric == "itl_max":
-        gaps = [g for r in ok for g in r.itl_s]
-        return max(gaps) * 1e3 if gaps else None
+        return [g for r in ok for g in r.itl_s]
     raise ValueError(metric)
+
+
+def stat(records: list[RequestRecord], pick: Callable[[RequestRecord], bool], metric: str,
+         q: float) -> float | None:
+    """The ``q``-th percentile (ms) of ``metric`` (``samples``; itl_max: the longest
+    gap) over the successful requests ``pick`` takes."""
+    if metric == "itl_max":
+        gaps = samples(records, pick, "itl")
+        return max(gaps) * 1e3 if gaps else None
+    return pct(samples(records, pick, metric), q)
 
 
 def span(records: list[RequestRecord]) -> float | None:
