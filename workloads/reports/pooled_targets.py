@@ -84,8 +84,9 @@ def _samples(records: list[RequestRecord], burst: str, quiet: str) -> dict[str, 
     phases: dict[str, Callable[[RequestRecord], bool]] = {
         "burst": lambda r: r.phase == burst, "quiet": lambda r: r.phase == quiet,
         "all": lambda r: True}
-    return {f"{key} {metric}": np.array(samples(records, pick, metric))
-            for key, pick in phases.items() for metric in ("ttft", "tpot", "itl")}
+    names = [sample for _, sample, *_ in FIGURES if " " in sample]  # "phase metric"
+    return {name: np.array(samples(records, phases[name.split()[0]], name.split()[1]))
+            for name in names}
 
 
 def runs(rounds: Sequence[dict[str, list[RequestRecord]]], slos: tuple[float, float],
