@@ -100,3 +100,35 @@ def test_targets_prints_the_pooled_table_after_the_rounds(tmp_path, capsys):
     # a trace without the phases: the SLOs from every request, no phase rows
     assert "TTFT p50, quiet" not in report(tmp_path, burst="idle", quiet="none")
     assert "TTFT p90, burst" not in report(tmp_path, burst="idle", quiet="none")
+
+
+def test_targets_leaves_out_a_round_still_running_and_says_so(tmp_path, capsys):
+    """A round without every system's records (its run still going, or failed) is left
+    out of both tables with a line on stderr; no complete round, or a directory that is
+    no comparison: a one-line error, not a traceback."""
+    from workloads.reports.targets import main
+
+    for i in (1, 2, 3):
+        for name in ("static-dp", "static-tp", "flying"):
+            if i == 3 and name == "static-dp":
+                continue  # round 3's static DP has not run yet
+            (tmp_path / f"round{i}" / name).mkdir(parents=True)
+            save_records(_run(100), tmp_path / f"round{i}" / name / "records.jsonl")
+    main([str(tmp_path)])
+    captured = capsys.readouterr()
+    assert "Every request of 2 rounds pooled" in captured.out
+    assert "| target | round 1 | round 2 | median" in captured.out
+    assert "round3: not every system's records are there yet" in captured.err
+    with pytest.raises(SystemExit, match="no round has every system's records"):
+        main([str(_only(tmp_path, 3))])
+    with pytest.raises(SystemExit, match="not a workloads.compare output"):
+        main([str(tmp_path / "round3")])
+
+
+def _only(root, i: int):
+    """A directory holding only ``root``'s round ``i`` (as round1)."""
+    only = root / f"only{i}"
+    (only / "round1").mkdir(parents=True)
+    for src in (root / f"round{i}").iterdir():
+        (only / "round1" / src.name).symlink_to(src)
+    return only

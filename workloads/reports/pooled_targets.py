@@ -42,6 +42,7 @@ from workloads.measure.records import RequestRecord, load_records
 from workloads.reports.pooled import intervals
 from workloads.reports.slo_stats import (
     RUNS,
+    complete,
     output_tokens,
     quiet_slos,
     round_dirs,
@@ -159,9 +160,8 @@ def table(rows: list[tuple], rounds: int, slos: tuple[float, float],
 def report(out: Path, burst: str = "burst", quiet: str = "low",
            slos: tuple[float | None, float | None] = (None, None)) -> str:
     """The pooled table of ``out``'s rounds; empty without two rounds of every system."""
-    rounds = [{name: load_records(d / name / "records.jsonl") for name in RUNS
-               if (d / name / "records.jsonl").is_file()} for d in round_dirs(out)]
-    rounds = [r for r in rounds if len(r) == len(RUNS)]
+    rounds = [{name: load_records(d / name / "records.jsonl") for name in RUNS}
+              for d in round_dirs(out) if complete(d)]
     if len(rounds) < 2:
         return ""
     phased = any(r.phase == quiet for rnd in rounds for r in rnd["static-tp"])

@@ -96,3 +96,9 @@ def round_dirs(out: Path) -> list[Path]:
     single comparison."""
     rounds = [p for p in out.glob("round*") if p.is_dir() and p.name[5:].isdigit()]
     return sorted(rounds, key=lambda p: int(p.name[5:]))
+
+
+def complete(out: Path) -> bool:
+    """Whether every system of ``RUNS`` has its records in ``out`` (a round still
+    running, or one whose run failed, has not)."""
+    return all((out / name / "records.jsonl").is_file() for name in RUNS)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import operator
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -42,6 +43,7 @@ from workloads.measure.records import RequestRecord, load_records
 from workloads.reports import pooled_targets
 from workloads.reports.slo_stats import (
     RUNS,
+    complete,
     goodput,
     quiet_slos,
     round_dirs,
@@ -208,6 +210,17 @@ def main(argv: Sequence[str] | None = None) -> None:
                     "static TP's quiet TPOT p50)")
     args = ap.parse_args(argv)
     rounds = [] if (args.out / "flying").is_dir() else round_dirs(args.out)
+    done = [d for d in rounds if complete(d)]
+    for d in rounds:
+        if d not in done:
+            print(f"{d}: not every system's records are there yet (a run still going, or "
+                  "one that failed): left out", file=sys.stderr)
+    if rounds and not done:
+        raise SystemExit(f"{args.out}: no round has every system's records yet")
+    if not rounds and not complete(args.out):
+        raise SystemExit(f"{args.out}: not a workloads.compare output with every system's "
+                         f"records ({', '.join(RUNS)})")
+    rounds = done
     if rounds:
         per_round = [rows(*_inputs(d, args)) for d in rounds]
         print(render_rounds(per_round))
