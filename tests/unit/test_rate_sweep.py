@@ -51,3 +51,21 @@ def test_goodput_per_rate_with_one_set_of_slos_and_the_prediction_error(tmp_path
     text = capsys.readouterr().out
     assert "TTFT <= 200 ms" in text and "| 1.00 |" in text
     assert (tmp_path / "g.png").stat().st_size > 0
+
+
+def test_a_run_still_going_is_left_out_and_named(tmp_path, capsys):
+    """The sweep reads the complete directories only and names the other on stderr;
+    none complete: a one-line error, not a traceback."""
+    done = _run_dir(tmp_path, 1.0, {"static-dp": 0.1, "static-tp": 0.1, "flying": 0.1})
+    going = tmp_path / "going"
+    (going / "static-dp").mkdir(parents=True)
+    save_records([RequestRecord(0, 0.0, 8, 5, send_s=0.0, ttft_s=0.1, tpot_s=0.01,
+                                e2e_s=0.14, output_tokens=5, success=True)],
+                 going / "static-dp" / "records.jsonl")
+    main([str(done), str(going)])
+    captured = capsys.readouterr()
+    first = captured.out.split("| rate (req/s) | node SLOs")[0]
+    assert len([x for x in first.splitlines() if x[:3] in {f"| {i}" for i in range(10)}]) == 1
+    assert f"{going}: not every system's records are there yet" in captured.err
+    with pytest.raises(SystemExit, match="no directory has every system's records"):
+        main([str(going)])

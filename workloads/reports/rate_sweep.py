@@ -24,7 +24,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from workloads.measure.records import RequestRecord, load_records
-from workloads.reports.slo_stats import RUNS, goodput, quiet_slos, stat, throughput
+from workloads.reports.slo_stats import (
+    RUNS,
+    complete_only,
+    goodput,
+    quiet_slos,
+    stat,
+    throughput,
+)
 from workloads.reports.targets import _fmt
 
 
@@ -139,7 +146,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     if (args.slo_ttft is None) != (args.slo_tpot is None):
         ap.error("give both --slo-ttft and --slo-tpot, or neither")
     slos = (args.slo_ttft, args.slo_tpot) if args.slo_ttft is not None else None
-    runs, slos = sweep(args.dirs, slos)
+    dirs = complete_only(args.dirs)
+    if not dirs:
+        raise SystemExit("no directory has every system's records yet")
+    runs, slos = sweep(dirs, slos)
     print(render(runs, slos))
     if args.plot:
         plot(runs, args.plot)

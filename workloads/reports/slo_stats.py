@@ -8,6 +8,7 @@ N``, ``round1`` .. ``roundN`` each holding them (``round_dirs``).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -102,3 +103,13 @@ def complete(out: Path) -> bool:
     """Whether every system of ``RUNS`` has its records in ``out`` (a round still
     running, or one whose run failed, has not)."""
     return all((out / name / "records.jsonl").is_file() for name in RUNS)
+
+
+def complete_only(dirs: Sequence[Path]) -> list[Path]:
+    """The ones of ``dirs`` that are ``complete``; each other one is named on stderr."""
+    done = [d for d in dirs if complete(d)]
+    for d in dirs:
+        if d not in done:
+            print(f"{d}: not every system's records are there yet (a run still going, or "
+                  "one that failed): left out", file=sys.stderr)
+    return done

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import operator
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -44,6 +43,7 @@ from workloads.reports import pooled_targets
 from workloads.reports.slo_stats import (
     RUNS,
     complete,
+    complete_only,
     goodput,
     quiet_slos,
     round_dirs,
@@ -210,11 +210,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                     "static TP's quiet TPOT p50)")
     args = ap.parse_args(argv)
     rounds = [] if (args.out / "flying").is_dir() else round_dirs(args.out)
-    done = [d for d in rounds if complete(d)]
-    for d in rounds:
-        if d not in done:
-            print(f"{d}: not every system's records are there yet (a run still going, or "
-                  "one that failed): left out", file=sys.stderr)
+    done = complete_only(rounds)
     if rounds and not done:
         raise SystemExit(f"{args.out}: no round has every system's records yet")
     if not rounds and not complete(args.out):
