@@ -135,7 +135,7 @@ def test_the_controller_reads_costs_off_its_loop(monkeypatch):
     time.sleep(0.2)  # the refresher is now stuck in a read
     start = time.monotonic()
     assert reader.read() == costs and reader.switch() is not None
-    assert time.monotonic() - start < 0.05
+    assert time.monotonic() - start < 1.0  # a read through the store would wait the gate's 5 s
     store.gate.set()
 
 
