@@ -179,6 +179,18 @@ def test_the_commands_help_prints(capsys):
     assert done.value.code == 0 and "--flying-tp-gain" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("policies, says", [
+    ("static-dp,static-tp:2", "'static-tp:2': --flying-policy must be one of"),
+    ("static-tp16", "TP degrees [16] not available on 8 engines"),
+    (" , ", "names no policy"),
+])
+def test_a_bad_policy_name_is_a_usage_line_before_anything_runs(policies, says):
+    with pytest.raises(SystemExit) as done:
+        simulate_main(["--preset", "paper", "--profile", "h100-llama3-8b", "--engines", "8",
+                       "--rates", "60", "--policies", policies])
+    assert isinstance(done.value.code, str) and says in done.value.code
+
+
 def test_validate_at_the_logged_stretch_runs_the_steps_that_much_slower(tmp_path):
     """``--stretch logged``: the profile's points times the mean stretch the Flying run's
     log recorded (the default runs them at their best)."""

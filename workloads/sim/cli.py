@@ -29,13 +29,13 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from flying.node.config import add_cli_args, from_cli_args
+from flying.node.config import ConfigError, FlyingConfig, add_cli_args, from_cli_args
 from workloads.load.cli import add_goodput_args, add_trace_args, slos_from_args, trace_from_args
 from workloads.measure.metrics import Summary, flatten, summarize
 from workloads.measure.records import load_records, save_records
 from workloads.sim import profile as profiles
 from workloads.sim.record_costs import costs_from_records
-from workloads.sim.run import SimResult, policy_settings, simulate
+from workloads.sim.run import SimResult, degrees_of, policy_settings, simulate
 
 DEFAULT_POLICIES = "static-dp,static-tp,adaptive"
 
@@ -170,6 +170,22 @@ def write(out: Path, results: Sequence[SimResult], summaries: Sequence[Summary],
         plot(results, out / "simulated.png", plot_title)
 
 
+def _check_policies(policies: Sequence[str], base: FlyingConfig, profile: profiles.Profile,
+                    engines: int) -> None:
+    """A bad ``--policies`` name is a one-line usage error before anything runs (it was
+    a traceback after the first policy's minutes of simulation)."""
+    if not policies:
+        raise SystemExit("workloads.simulate: error: --policies names no policy")
+    for name in policies:
+        try:
+            degrees_of(policy_settings(name, base), profile, engines)
+        except ConfigError as err:
+            raise SystemExit(f"workloads.simulate: error: --policies {name!r}: {err} "
+                             "(or static-tpM for a static layout of TP-M groups)") from None
+        except ValueError as err:
+            raise SystemExit(f"workloads.simulate: error: --policies {name!r}: {err}") from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse(argv)
     base = from_cli_args(args)
@@ -179,6 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     engines = args.engines or profile.max_engines
     slos = slos_from_args(args)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    _check_policies(policies, base, profile, engines)
     if args.rates:
         from workloads.sim.sweep import sweep
 
