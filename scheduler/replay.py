@@ -196,8 +196,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", help="the log's head line names the node and config; "
                     "this JSON overrides config fields, e.g. '{\"tp_gain\": 0.2}'")
     args = ap.parse_args(argv)
-    with open(args.log) as f:
-        lines = f.read().splitlines()
+    try:
+        with open(args.log) as f:
+            lines = f.read().splitlines()
+    except OSError as err:
+        ap.error(f"cannot read the log: {err}")
     head = _head(lines)
     config = node = None
     if head is not None:

@@ -247,3 +247,9 @@ def test_nothing_is_written_without_a_log_and_a_failed_write_never_raises(
     layout_log.write("join", {"x": 2})
     doc = json.loads((tmp_path / "l").read_text())
     assert doc["kind"] == "join" and doc["x"] == 2 and doc["t"] > 0
+
+
+def test_a_log_that_is_not_there_is_a_usage_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as done:
+        replay.main([str(tmp_path / "missing.jsonl")])
+    assert done.value.code == 2 and "cannot read the log" in capsys.readouterr().err

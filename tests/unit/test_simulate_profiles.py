@@ -191,6 +191,19 @@ def test_a_bad_policy_name_is_a_usage_line_before_anything_runs(policies, says):
     assert isinstance(done.value.code, str) and says in done.value.code
 
 
+@pytest.mark.parametrize("argv, says", [
+    (["--profile", "no-such-profile", "--rates", "5"], "no profile 'no-such-profile'"),
+    (["--profile", "h100-llama3-8b", "--rates", "5,abc"], "argument --rates"),
+    (["--profile", "h100-llama3-8b", "--rates", "0"], "argument --rates"),
+    (["--profile", "h100-llama3-8b", "--engines", "0"], "argument --engines"),
+])
+def test_bad_simulator_options_are_one_line_errors(argv, says, capsys):
+    with pytest.raises(SystemExit) as done:
+        simulate_main(["--preset", "paper", "--no-plot", *argv])
+    said = done.value.code if isinstance(done.value.code, str) else capsys.readouterr().err
+    assert said and says in said
+
+
 def test_validate_at_the_logged_stretch_runs_the_steps_that_much_slower(tmp_path):
     """``--stretch logged``: the profile's points times the mean stretch the Flying run's
     log recorded (the default runs them at their best)."""

@@ -268,3 +268,37 @@ def test_a_rate_without_an_arrival_process_is_refused_not_ignored():
     trace, _ = trace_from_args(args)
     span = trace[-1].arrival_s - trace[0].arrival_s
     assert 40 <= span <= 160  # 40 requests at 0.5 req/s: ~80 s
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--arrival", "poisson", "--rate", "-5"], "rate must be > 0"),
+    (["--arrival", "poisson", "--rate", "nan"], "rate must be > 0"),
+    (["--arrival", "gamma", "--rate", "2", "--burstiness", "0"], "burstiness must be > 0"),
+    (["--arrival", "ramp", "--rate", "2"], "a ramp needs end_rate > 0"),
+    (["--trace", "no-such-trace.jsonl"], "--trace no-such-trace.jsonl: no such file"),
+])
+def test_bad_trace_options_are_one_line_errors(argv, says):
+    """Every workloads tool reads these options here: a value out of range or a missing
+    file ends the command with its reason (they were tracebacks)."""
+    import argparse
+
+    from workloads.load.cli import add_trace_args, trace_from_args
+
+    parser = argparse.ArgumentParser()
+    add_trace_args(parser)
+    with pytest.raises(SystemExit) as done:
+        trace_from_args(parser.parse_args(argv))
+    assert isinstance(done.value.code, str) and says in done.value.code
+
+
+@pytest.mark.parametrize("limit", ["0", "-3", "x"])
+def test_a_limit_below_one_is_a_usage_error(limit, capsys):
+    import argparse
+
+    from workloads.load.cli import add_trace_args
+
+    parser = argparse.ArgumentParser()
+    add_trace_args(parser)
+    with pytest.raises(SystemExit) as done:
+        parser.parse_args(["--limit", limit])
+    assert done.value.code == 2 and "--limit" in capsys.readouterr().err

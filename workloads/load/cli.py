@@ -18,6 +18,17 @@ from workloads.load.slos import DEFAULT_SLOS, parse_slos
 from workloads.load.trace import TraceRequest, load_trace
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an integer of at least 1 (a usage error, not a traceback)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected at least 1, got {value}")
+    return value
+
+
 def add_trace_args(parser: argparse.ArgumentParser, default_preset: str = "cpu-small") -> None:
     """The trace options (see the module docstring)."""
     from workloads.load.presets import PRESETS
@@ -27,7 +38,7 @@ def add_trace_args(parser: argparse.ArgumentParser, default_preset: str = "cpu-s
     group.add_argument("--trace", help="trace file (overrides --preset): our JSONL, or a "
                        "Vidur/Azure CSV replayed unscaled")
     group.add_argument("--seed", type=int, default=0, help="trace and prompt-token seed")
-    group.add_argument("--limit", type=int, help="only the first N requests")
+    group.add_argument("--limit", type=positive_int, help="only the first N requests")
     group.add_argument("--traces-dir", help=f"directory of named trace files (default "
                        f"${TRACES_ENV}, else {DEFAULT_TRACES_DIR})")
     group.add_argument("--arrival", choices=ARRIVAL_KINDS,
@@ -60,8 +71,11 @@ def arrival_from_args(args: argparse.Namespace) -> ArrivalProcess | None:
         return None
     if args.rate is None:
         raise SystemExit("error: --arrival needs --rate")
-    return ArrivalProcess(args.arrival, args.rate, burstiness=args.burstiness,
-                          end_rate=args.ramp_end_rate, strategy=args.ramp_strategy)
+    try:
+        return ArrivalProcess(args.arrival, args.rate, burstiness=args.burstiness,
+                              end_rate=args.ramp_end_rate, strategy=args.ramp_strategy)
+    except ValueError as err:  # a rate, burstiness or ramp end out of range
+        raise SystemExit(f"error: --arrival {args.arrival}: {err}") from None
 
 
 def trace_from_args(args: argparse.Namespace) -> tuple[list[TraceRequest], str]:
@@ -72,6 +86,8 @@ def trace_from_args(args: argparse.Namespace) -> tuple[list[TraceRequest], str]:
         os.environ[TRACES_ENV] = str(Path(args.traces_dir).expanduser())
     if args.trace:
         path = Path(args.trace)
+        if not path.is_file():
+            raise SystemExit(f"error: --trace {args.trace}: no such file")
         csv = path.suffix.lower() == ".csv"
         trace = replay_trace(path, seed=args.seed) if csv else load_trace(path)
         source = f"file {args.trace}"

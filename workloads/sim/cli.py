@@ -30,7 +30,13 @@ from dataclasses import replace
 from pathlib import Path
 
 from flying.node.config import ConfigError, FlyingConfig, add_cli_args, from_cli_args
-from workloads.load.cli import add_goodput_args, add_trace_args, slos_from_args, trace_from_args
+from workloads.load.cli import (
+    add_goodput_args,
+    add_trace_args,
+    positive_int,
+    slos_from_args,
+    trace_from_args,
+)
 from workloads.measure.metrics import Summary, flatten, summarize
 from workloads.measure.records import load_records, save_records
 from workloads.sim import profile as profiles
@@ -66,10 +72,11 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
                         "profile's (workloads.sim.record_costs; with --save-profile, a "
                         "profile of that server)")
     parser.add_argument("--save-profile", metavar="JSON", help="write the profile used here")
-    parser.add_argument("--engines", type=int, help="engines (default: the profile's node)")
+    parser.add_argument("--engines", type=positive_int,
+                        help="engines (default: the profile's node)")
     parser.add_argument("--policies", default=DEFAULT_POLICIES,
                         help="comma list: static-dp, static-tp, static-tpM, adaptive, manual")
-    parser.add_argument("--rates", help="comma list of req/s: re-time the trace at each "
+    parser.add_argument("--rates", type=rate_list, help="comma list of req/s: re-time the trace at each "
                         "(--arrival, default poisson) and print goodput against rate")
     parser.add_argument("--out", help="directory for records, summaries, logs, report, plot")
     parser.add_argument("--no-plot", action="store_true")
@@ -80,7 +87,26 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def rate_list(text: str) -> str:
+    """An argparse type: a comma list of rates above 0 (kept as the text ``sweep`` reads)."""
+    rates = [r.strip() for r in text.split(",") if r.strip()]
+    try:
+        ok = bool(rates) and all(float(r) > 0 for r in rates)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise argparse.ArgumentTypeError(f"expected a comma list of req/s above 0, got {text!r}")
+    return text
+
+
 def load_profile(args: argparse.Namespace) -> profiles.Profile:
+    try:
+        return _load_profile(args)
+    except FileNotFoundError as err:  # a profile name or file that is not there
+        raise SystemExit(f"workloads.simulate: error: {err}") from None
+
+
+def _load_profile(args: argparse.Namespace) -> profiles.Profile:
     if args.profile_from_log:
         profile = profiles.from_decision_log(args.profile_from_log)
     elif args.profile_from_status:
