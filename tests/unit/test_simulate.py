@@ -1,6 +1,6 @@
 """The node simulator (``workloads.simulate``): what one request costs, what static
 layouts serve, that the adaptive node's decisions are the real policy's, KV admission,
-and that the paper preset on 8 engines simulates in seconds."""
+and that the paper preset on 8 engines serves every request."""
 
 from __future__ import annotations
 

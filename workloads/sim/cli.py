@@ -87,16 +87,15 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def rate_list(text: str) -> str:
-    """An argparse type: a comma list of rates above 0 (kept as the text ``sweep`` reads)."""
-    rates = [r.strip() for r in text.split(",") if r.strip()]
+def rate_list(text: str) -> list[float]:
+    """An argparse type: a comma list of rates above 0 (req/s)."""
     try:
-        ok = bool(rates) and all(float(r) > 0 for r in rates)
+        rates = [float(r) for r in text.split(",") if r.strip()]
     except ValueError:
-        ok = False
-    if not ok:
+        rates = []
+    if not rates or not all(r > 0 for r in rates):
         raise argparse.ArgumentTypeError(f"expected a comma list of req/s above 0, got {text!r}")
-    return text
+    return rates
 
 
 def load_profile(args: argparse.Namespace) -> profiles.Profile:

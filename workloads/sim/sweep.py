@@ -23,14 +23,13 @@ from workloads.sim.run import policy_settings, simulate
 
 def sweep(args: argparse.Namespace, profile: Profile, engines: int, base: FlyingConfig,
           policies: Sequence[str], slos: dict[str, float]) -> str:
-    rates = [float(r) for r in args.rates.split(",") if r.strip()]
     trace, source = trace_from_args(args)
     kind = args.arrival or "poisson"
     head = ["rate req/s", *policies]
     lines = [f"SIMULATED goodput (req/s within {slos}) [SLO attainment %] against rate; "
              f"profile {profile.name}, {engines} engines; trace {source}, re-timed {kind}",
              "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for rate in rates:
+    for rate in args.rates:  # req/s above 0 (``cli.rate_list``)
         timed = retime(trace, ArrivalProcess(kind, rate, burstiness=args.burstiness), args.seed)
         cells = [f"{rate:g}"]
         for name in policies:
