@@ -10,7 +10,7 @@ from aiohttp import web
 
 from workloads.load.trace import TraceRequest, token_ids_for
 from workloads.measure import stream
-from workloads.measure.client import build_payload, run_trace
+from workloads.measure.client import KEEPALIVE_S, build_payload, run_trace
 
 pytestmark = pytest.mark.unit
 
@@ -177,6 +177,41 @@ def test_timeouts_become_records():
     assert not cancelled.success and cancelled.error == "cancelled: overall timeout"
     assert cancelled.send_s is not None and cancelled.e2e_s < 5.0
     assert not never.success and never.send_s is None and "not sent" in never.error
+
+
+def test_a_connection_idle_past_the_keepalive_is_not_reused():
+    # SGLang's server closes a connection idle for 5 s; a client reusing one it is
+    # closing fails the request at once ("Server disconnected"). Requests 0 and 1 are
+    # close (one connection may serve both); request 2 comes after a lull longer than
+    # the client keeps an idle connection, so it opens a new one.
+    ports: list[int] = []
+
+    async def one_token(request: web.Request) -> web.StreamResponse:
+        ports.append(request.transport.get_extra_info("peername")[1])
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        meta = {"completion_tokens": 1, "finish_reason": {"type": "length"}}
+        await resp.write(_sse({"text": "x", "meta_info": meta}))
+        await resp.write(_sse("[DONE]"))
+        return resp
+
+    async def go():
+        app = web.Application()
+        app.router.add_post("/generate", one_token)
+        runner = web.AppRunner(app, keepalive_timeout=60.0)  # the server keeps it open
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        try:
+            trace = [_req(0, 0.0, 4, 1), _req(1, 0.3, 4, 1), _req(2, KEEPALIVE_S + 0.6, 4, 1)]
+            return await run_trace(trace, f"http://127.0.0.1:{runner.addresses[0][1]}",
+                                   progress=False)
+        finally:
+            await runner.cleanup()
+
+    records = asyncio.run(go())
+    assert all(r.success for r in records), [r.error for r in records]
+    assert ports[0] == ports[1]  # reused while fresh
+    assert ports[2] != ports[1]  # not after the lull
 
 
 def test_connection_refused_is_recorded():

@@ -30,6 +30,12 @@ from workloads.measure.records import RequestRecord, save_records
 
 BACKENDS = ("generate", "openai")
 ENDPOINTS = {"generate": "/generate", "openai": "/v1/completions"}
+#: Seconds an idle connection is kept for reuse: under the 5 s after which SGLang's
+#: HTTP server closes an idle one (``SGLANG_TIMEOUT_KEEP_ALIVE``). At aiohttp's default
+#: (15 s) a request sent as the server closed its connection failed at once with
+#: "Server disconnected" (static DP, hidden-768 three-peak, session 68: after a 5.3 s
+#: lull), and counted against that layout as an error.
+KEEPALIVE_S = 2.0
 
 
 def build_payload(
@@ -189,7 +195,8 @@ async def run_trace(
         raise ValueError(f"unknown backend {backend!r}; use one of {BACKENDS}")
     records = [new_record(req) for req in trace]
     bar = tqdm(total=len(trace), disable=not progress, unit="req", desc=backend)
-    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)  # no client-side queueing
+    # no client-side queueing; idle connections dropped before the server drops them
+    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=KEEPALIVE_S)
     async with aiohttp.ClientSession(connector=connector, trust_env=False) as session:
         t0 = time.perf_counter()
         tasks = [
