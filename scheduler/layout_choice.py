@@ -135,9 +135,10 @@ class LayoutChooser(LayoutRanking):
     the switch pays (module docstring)."""
 
     def __init__(self, num_engines: int, degrees: tuple[int, ...], horizon_s: float,
-                 latency_gain: float, engine_kv_tokens: float, joins: bool = False):
+                 latency_gain: float, engine_kv_tokens: float, joins: bool = False,
+                 mixed: bool = False):
         super().__init__(num_engines, degrees, horizon_s, latency_gain, engine_kv_tokens,
-                         joins)
+                         joins, mixed)
         self.since = float("-inf")
         self._credit: dict[int, float] = {}
         self._last: Choice | None = None
@@ -410,16 +411,21 @@ class LayoutChooser(LayoutRanking):
     def route(self) -> int:
         """The degree the next request runs at under the current layout: every request
         in a group where all engines are grouped, none where none are; in a mixed
-        layout, groups and DP engines take requests in proportion to their number of
-        servers (smooth weighted round robin: deterministic, so replayable)."""
+        layout, groups and DP engines take requests in proportion to their capacity, as
+        ``predict`` spreads the rate over them (their number of servers where a
+        capacity is not known yet; smooth weighted round robin: deterministic, so
+        replayable)."""
         counts: dict[int, int] = {}
         for d in self.current.servers:
             counts[d] = counts.get(d, 0) + 1
         if len(counts) == 1:
             return next(iter(counts))
-        total = sum(counts.values())
-        for d, n in counts.items():
-            self._credit[d] = self._credit.get(d, 0.0) + n
+        caps = self._quiet_caps[1]
+        weights = {d: n * caps[d] if all(caps.get(e, 0.0) > 0 for e in counts) else float(n)
+                   for d, n in counts.items()}
+        total = sum(weights.values())
+        for d, w in weights.items():
+            self._credit[d] = self._credit.get(d, 0.0) + w / total
         pick = max(counts, key=lambda d: (self._credit[d], d))
-        self._credit[pick] -= total
+        self._credit[pick] -= 1.0
         return pick

@@ -24,7 +24,8 @@ switch to the best one pays. The ranking's rules:
   measured at (``_within_reach``), and a switch from DP is charged the DP requests its
   groups would interleave with (``_net_of_interleave``);
 - the candidates are the uniform layouts (DP, or every engine in groups of one
-  degree): a mixed one is not what the mechanism runs (``LayoutRanking.__init__``);
+  degree) and, on 4+ engines where the node places by the layout (``mixed``), k groups
+  of one degree beside DP engines (``LayoutRanking.__init__``);
 - each degree's capacity is cached for the costs and the request sizes (two
   significant digits), so a prediction costs microseconds.
 
@@ -86,11 +87,13 @@ class LayoutRanking:
     """The candidates' predicted service and their ranking against ``current``."""
 
     def __init__(self, num_engines: int, degrees: tuple[int, ...], horizon_s: float,
-                 latency_gain: float, engine_kv_tokens: float, joins: bool = False):
-        # Uniform layouts only: the mechanism runs a mixed one as neither (DP requests
-        # go to every engine, binds round robin over every group of the degree), so
-        # its groups meet DP arrivals and move (docs/BENCHMARKS.md, simulated, problem 5).
-        self.candidates = layouts(num_engines, degrees, mixed=False)
+                 latency_gain: float, engine_kv_tokens: float, joins: bool = False,
+                 mixed: bool = False):
+        # Mixed layouts only where the mechanism places by the layout (``mixed``): its
+        # DP requests on its DP engines, its binds on its own groups (``Policy.engines_for``).
+        # Without that its groups met DP arrivals and moved (docs/BENCHMARKS.md,
+        # simulated, problem 5).
+        self.candidates = layouts(num_engines, degrees, mixed=mixed)
         self.current = self.candidates[0]  # DP until a group is shown to pay
         self.horizon_s = horizon_s
         self.latency_gain = latency_gain

@@ -150,6 +150,11 @@ class PolicyConfig:
     #: (``interleave.interleave_lost``). False in decision logs written before
     #: nodes did (their nodes joined the leader's requests only, when no peer had any).
     joins: bool = False
+    #: The adaptive policy also offers mixed layouts on 4+ engines (k groups of one
+    #: degree beside DP engines), placing by the layout (``Policy.engines_for``). False
+    #: in decision logs written before nodes placed so (their chooser offered uniform
+    #: layouts only).
+    mixed: bool = False
 
     def validate(self) -> PolicyConfig:
         if self.policy not in POLICIES:
@@ -292,7 +297,7 @@ class Policy:
             self.chooser = LayoutChooser(
                 self.node.num_engines, self.node.degrees, self.config.phase_s,
                 self.config.tp_gain, self.node.engine_slots or self.node.engine_capacity,
-                joins=self.config.joins,
+                joins=self.config.joins, mixed=self.config.mixed,
             )
         choice = self.chooser.choose(
             traffic.now, costs, traffic, sum(e.running for e in loads),
@@ -318,6 +323,22 @@ class Policy:
             lambda m: req.tokens <= self.node.capacity(m), batch,
         )
         return Decision("tp", found[0], found[1]) if found else None
+
+    def engines_for(self, degree: int) -> tuple[int, ...]:
+        """The engines a request of ``degree`` (1: DP) may run on under the adaptive
+        layout now: in a mixed layout a request of its groups' degree on its groups'
+        engines, a DP request on its DP engines (``Layout.placement``); () otherwise
+        (any: SGLang's dispatch for DP, every aligned group of the degree for a bind).
+        The controller keeps every DP request it dispatches to these, whatever rule put
+        it in DP (a DP-only feature, a conversation's turn), so the groups meet no DP
+        arrival and do not move."""
+        lay = self.chooser.current if self.chooser is not None else None
+        if lay is None or not lay.mixed:
+            return ()
+        grouped, dp = lay.placement()
+        if degree <= 1:
+            return dp
+        return grouped if degree == lay.tp_degree else ()
 
     def upgrade(self, holder: int, current: int = 1,
                 busy: Mapping[int, int] | None = None) -> Decision:

@@ -83,6 +83,19 @@ class Layout:
     def groups(self) -> int:
         return sum(1 for d in self.servers if d > 1)
 
+    @property
+    def mixed(self) -> bool:
+        """Groups beside DP engines."""
+        return self.groups > 0 and 1 in self.servers
+
+    def placement(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(the engines of its groups, its DP engines): the groups on the lowest aligned
+        ranks (k groups of degree m: engines 0 .. k*m - 1), the DP engines after them.
+        Fixed per layout, so a switch between two mixed layouts of one degree keeps the
+        groups both share."""
+        grouped = sum(d for d in self.servers if d > 1)
+        return tuple(range(grouped)), tuple(range(grouped, grouped + self.servers.count(1)))
+
 
 def layouts(num_engines: int, degrees: tuple[int, ...], mixed: bool = True) -> list[Layout]:
     """DP, every degree's all-groups layout, and (``mixed``) on 4+ engines the mixed

@@ -27,6 +27,7 @@ PLATFORMS = ("auto", "cpu", "native")
 PREEMPT_MODES = ("hard", "soft")
 TRUST_MODES = ("trust", "ignore")
 MOVE_MODES = ("policy", "all", "off")
+LAYOUT_MODES = ("mixed", "uniform")
 #: A node name travels in an HTTP header: a short, plain token (host names, IPv6 in [ ]).
 NODE_NAME_MAX = 255
 _NODE_NAME = re.compile(r"[A-Za-z0-9._:\-\[\]]*")
@@ -89,6 +90,11 @@ class FlyingConfig:
     #: Seconds a traffic phase is expected to last: the adaptive policy changes layout
     #: only when the predicted gain over it outlasts the change's measured cost.
     phase_s: float = _POLICY.phase_s
+    #: The layouts the adaptive policy chooses among on 4+ engines: "mixed" also offers
+    #: k groups of one degree beside DP engines (its DP requests then go to its DP
+    #: engines, its binds to its own groups); "uniform" only DP or every engine in
+    #: groups of one degree. On 2-3 engines both are the same.
+    layouts: str = "mixed"
     #: Where the DP controller appends its decision log (JSON lines: inputs, decision,
     #: reason), and the engines every layout change they make (moves to DP, joins,
     #: upgrades' joins), for ``python -m scheduler.replay``; empty: no log.
@@ -160,6 +166,10 @@ class FlyingConfig:
             if getattr(self, name) < 0:
                 raise ConfigError(f"{_flag(name)} must be >= 0 ms (0: derived), "
                                   f"got {getattr(self, name)}")
+        if self.layouts not in LAYOUT_MODES:
+            raise ConfigError(
+                f"--flying-layouts must be one of {', '.join(LAYOUT_MODES)}, got {self.layouts!r}"
+            )
         if self.phase_s <= 0:
             raise ConfigError(f"--flying-phase-s must be > 0, got {self.phase_s}")
         if len(self.node_name) > NODE_NAME_MAX or not _NODE_NAME.fullmatch(self.node_name):
@@ -216,6 +226,7 @@ _HELP = {
     "slo_ttft": "Node TTFT SLO in ms for the adaptive policy's goodput (0: 4x the measured quiet TTFT).",
     "slo_tpot": "Node TPOT SLO in ms for the adaptive policy's goodput (0: 1.5x the measured quiet TPOT).",
     "phase_s": "Seconds a traffic phase is expected to last: a layout change must gain more over it than it costs.",
+    "layouts": "Adaptive layouts on 4+ engines: mixed (also groups beside DP engines) or uniform (DP, or all engines in groups of one degree).",
     "decision_log": "File the controller and engines append decisions and layout changes to (JSON lines, for python -m scheduler.replay).",
     "experimental_cuda_groups": "Allow TP groups on CUDA engines (unverified; off by default).",
     "client_priority": "trust: clients set priority (X-Priority, body priority) and their own SLOs (X-Flying-SLO-TTFT-Ms, X-Flying-SLO-TPOT-Ms, custom_params); ignore: all dropped.",
@@ -230,6 +241,7 @@ _CHOICES = {
     "policy": ("adaptive", "static-dp", "static-tp", "manual"),
     "preempt": PREEMPT_MODES,
     "move_to_dp": MOVE_MODES,
+    "layouts": LAYOUT_MODES,
     "client_priority": TRUST_MODES,
     "client_tp": TRUST_MODES,
 }

@@ -31,18 +31,37 @@ logger = logging.getLogger(__name__)
 
 
 class BindIssuer:
-    """Chooses the group for a degree (round robin over its aligned groups) and sends."""
+    """Chooses the group for a degree (round robin over its aligned groups, or over
+    those within a mixed layout's group engines) and the DP engine for a request a
+    mixed layout runs in DP (round robin over its DP engines), and sends."""
 
     def __init__(self, num_engines: int, degrees: list[int]):
         self.num_engines = num_engines
         self.degrees = sorted(degrees)
         self._next = {m: itertools.cycle(groups_of(m, num_engines)) for m in degrees}
+        self._within: dict[tuple, int] = {}  # (degree, engines) -> round-robin counter
         self.issued = 0
 
-    def choose(self, degree: int) -> Group:
+    def choose(self, degree: int, within: tuple[int, ...] = ()) -> Group:
+        """The next group of ``degree``: of all its aligned groups, or (``within``, a
+        mixed layout's group engines: ``Policy.engines_for``) of those inside it."""
         if degree not in self._next:
             raise ValueError(f"TP degree {degree} not available; allowed {sorted(self._next)}")
-        return next(self._next[degree])
+        inside = [g for g in groups_of(degree, self.num_engines) if set(g.ranks) <= set(within)]
+        if not inside:
+            return next(self._next[degree])
+        return inside[self._turn((degree, within), len(inside))]
+
+    def dp_engine(self, within: tuple[int, ...], usable: set[int] | None = None) -> int | None:
+        """The next of a mixed layout's DP engines (``within``) SGLang may dispatch to
+        (``usable``; None: all), or None where none may."""
+        ok = [r for r in within if usable is None or r in usable]
+        return ok[self._turn((1, tuple(ok)), len(ok))] if ok else None
+
+    def _turn(self, key: tuple, n: int) -> int:
+        i = self._within.get(key, 0)
+        self._within[key] = i + 1
+        return i % n
 
     def make_binds(
         self, req, degree: int, group: Group | None = None, reason: str = "explicit"
@@ -136,8 +155,34 @@ def binds_for(controller, req) -> list[tuple[int, Bind]]:
             found = turns.look_up(controller, req)
         _note_arrival(controller, req, found)
     binds, turn = _binds(controller, req, issuer, marker, found)
-    turns.place(controller, req, found, bool(binds), turn)
+    if not binds and not turn:
+        _route_dp(controller, req, issuer)
+    turns.place(controller, req, found, bool(binds), turn, _within(controller, 1))
     return binds
+
+
+def _within(controller, degree: int) -> tuple[int, ...]:
+    """``Policy.engines_for``: the engines a request of ``degree`` runs on under a mixed
+    layout, () under any other (or before the policy exists)."""
+    policy = getattr(controller, "_flying_policy", None)
+    return policy.engines_for(degree) if policy is not None else ()
+
+
+def _route_dp(controller, req, issuer: BindIssuer) -> None:
+    """A DP request under a mixed layout goes to one of its DP engines (SGLang's own
+    ``routed_dp_rank``, which its dispatch honours before its load balancing), so that
+    the layout's groups meet no DP arrival; under any other layout, or for a request
+    that names its engine, SGLang dispatches it. Never raises: advice only."""
+    try:
+        within = _within(controller, 1)
+        if not within or getattr(req, "routed_dp_rank", None) is not None:
+            return
+        rank = issuer.dp_engine(within, set(turns.dispatchable_loads(controller)))
+        if rank is not None:
+            req.routed_dp_rank = rank
+    except Exception:  # noqa: BLE001 - SGLang's dispatch places it
+        logger.exception("flying: could not route request %s to a DP engine",
+                         getattr(req, "rid", "?"))
 
 
 def round_robin_mark(controller) -> int | None:
@@ -184,6 +229,8 @@ def _binds(controller, req, issuer, marker, found) -> tuple[list[tuple[int, Bind
             return [], True
         degree = decision.degree if decision is not None and decision.mode == "tp" else 0
         reason = "policy"
+    if degree and group is None:
+        group = issuer.choose(degree, _within(controller, degree))
     return (issuer.make_binds(req, degree, group, reason) if degree else []), False
 
 

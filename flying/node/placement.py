@@ -21,7 +21,7 @@ import json
 from pathlib import Path
 
 from flying.node import request_slo
-from flying.node.config import get_config
+from flying.node.config import FlyingConfig, get_config
 from flying.session.budget import (  # noqa: F401 (re-exported for callers)
     ADMISSION_SLACK,
     kv_tokens_needed,
@@ -68,14 +68,16 @@ def make_policy(
     cfg = get_config()
     node = node_of(num_engines, tuple(cfg.degree_list() or ()), max_req_input_len,
                    context_len, kv_pool, model_kv_heads(model_path))
-    return Policy(
-        PolicyConfig(
-            cfg.policy, cfg.priority_threshold, cfg.light_load, cfg.heavy_load, cfg.tp_gain,
-            slo_ttft_ms=cfg.slo_ttft, slo_tpot_ms=cfg.slo_tpot, phase_s=cfg.phase_s,
-            joins=cfg.move_to_dp != "off",
-        ).validate(),
-        node,
-    )
+    return Policy(policy_config(cfg), node)
+
+
+def policy_config(cfg: FlyingConfig) -> PolicyConfig:
+    """The policy's settings from Flying's (the node's and the simulator's)."""
+    return PolicyConfig(
+        cfg.policy, cfg.priority_threshold, cfg.light_load, cfg.heavy_load, cfg.tp_gain,
+        slo_ttft_ms=cfg.slo_ttft, slo_tpot_ms=cfg.slo_tpot, phase_s=cfg.phase_s,
+        joins=cfg.move_to_dp != "off", mixed=cfg.layouts == "mixed",
+    ).validate()
 
 
 def model_kv_heads(model_path: str | None) -> int:

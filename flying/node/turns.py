@@ -69,23 +69,28 @@ def uncached(found: Lookup) -> int:
     return found.prompt_len
 
 
-def place(controller, req, found: Lookup | None, in_group: bool, turn: bool) -> None:
+def place(controller, req, found: Lookup | None, in_group: bool, turn: bool,
+          within: tuple[int, ...] = ()) -> None:
     """After placement: a turn the policy ran in DP instead of a group (``turn``) goes
     to its conversation's engine (``affinity_rank`` over the engines SGLang may dispatch
-    to now); every other DP request is SGLang's to dispatch, as with groups off. Every
-    prompt is remembered with its engine (-1: a group, or SGLang's choice until
-    ``learn`` reads it)."""
+    to now, of a mixed layout's DP engines ``within`` where those are set); every other
+    DP request is SGLang's to dispatch, as with groups off, or was routed already (a
+    mixed layout's). Every prompt is remembered with its engine (-1: a group, or
+    SGLang's choice until ``learn`` reads it)."""
     if found is None:
         return
     try:
-        rank = -1
+        routed = getattr(req, "routed_dp_rank", None)
+        rank = routed if not in_group and isinstance(routed, int) and routed >= 0 else -1
         # ``turn``: the policy found ``found.turn`` long enough (``is_turn``)
         # a turn whose history no engine holds (it ran in a group) is SGLang's to
         # place: the loads read here lag the requests just sent, so "least loaded"
         # would send turns arriving together to one engine
         if turn and not in_group and found.turn is not None and found.turn.rank >= 0 \
                 and getattr(req, "routed_dp_rank", None) is None:
-            loads = _dispatchable_loads(controller)
+            loads = dispatchable_loads(controller)
+            if within and any(r in loads for r in within):
+                loads = {r: n for r, n in loads.items() if r in within}
             if loads:
                 rank = affinity_rank(found.turn.rank, loads)
                 req.routed_dp_rank = rank
@@ -136,7 +141,7 @@ def continued_share(controller) -> float:
     return index.continued_share() if index is not None else 0.0
 
 
-def _dispatchable_loads(controller) -> dict[int, int]:
+def dispatchable_loads(controller) -> dict[int, int]:
     """Rank -> running + waiting requests, of the engines SGLang's dispatch sends to now
     (active, with a socket, not marked down); {} if unknown."""
     from flying.node.placement import loads_of

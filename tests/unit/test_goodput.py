@@ -591,11 +591,15 @@ def _choose(chooser: LayoutChooser, running: int, rate: float = 20.0) -> str:
                            SwitchCosts(2.0, 0.4)).layout.name
 
 
-def test_the_chooser_offers_uniform_layouts_only():
-    """A mixed layout (a group beside DP engines) is not what the mechanism runs: DP
-    requests reach every engine, so its groups meet DP arrivals and move."""
+def test_the_chooser_offers_mixed_layouts_only_where_the_node_places_by_them():
+    """A mixed layout (a group beside DP engines) is a candidate only where the node
+    sends its DP requests to its DP engines and its binds to its own groups
+    (``mixed``, ``Policy.engines_for``): otherwise its groups met DP arrivals and moved."""
     names = [lay.name for lay in LayoutChooser(8, (2, 4, 8), 10.0, 0.1, 1e6).candidates]
     assert names == ["8xDP", "4xTP2", "2xTP4", "1xTP8"]
+    mixed = [lay.name for lay in LayoutChooser(8, (2, 4), 10.0, 0.1, 1e6, mixed=True).candidates]
+    assert mixed == ["8xDP", "1xTP2+6xDP", "2xTP2+4xDP", "3xTP2+2xDP", "4xTP2",
+                     "1xTP4+4xDP", "2xTP4"]
 
 
 def test_a_switch_between_group_layouts_pays_the_old_groups_drain():

@@ -15,9 +15,11 @@ the same inputs:
    decisions is written to the decision log in the real log's format
    (``scheduler.replay.record``), so ``python -m scheduler.replay`` replays it;
 3. a TP decision becomes a bind for the group ``BindIssuer.choose`` gives (the real
-   controller's round robin over the degree's aligned groups; the least loaded group,
-   ``scheduler.policy.least_loaded_group``, for priority requests under
-   ``--flying-priority-max-paused``); anything else goes to DP by SGLang's dispatch.
+   controller's round robin over the degree's aligned groups, or over a mixed layout's
+   own groups; the least loaded group, ``scheduler.policy.least_loaded_group``, for
+   priority requests under ``--flying-priority-max-paused``); anything else goes to DP:
+   to a mixed layout's DP engines in turn (``BindIssuer.dp_engine``), else by SGLang's
+   dispatch.
 
 The loads are exact (``SimNode.load``: SGLang's snapshot with Flying's
 ``count_session``), where the real controller reads snapshots a few steps old.
@@ -37,9 +39,9 @@ from types import SimpleNamespace
 
 from flying.node.config import FlyingConfig
 from flying.node.controller import BindIssuer
-from flying.node.placement import loads_of, request_of
+from flying.node.placement import loads_of, policy_config, request_of
 from flying.substrate.layout import Group, group_containing
-from scheduler.policy import Decision, Policy, PolicyConfig, least_loaded_group
+from scheduler.policy import Decision, Policy, least_loaded_group
 from scheduler.replay import record, record_upgrade
 from scheduler.traffic import Arrivals
 from workloads.sim.batching import SimRequest
@@ -48,15 +50,6 @@ from workloads.sim.profile import Profile
 
 #: Why a request marked by the HTTP process is bound (``request_tags.place``).
 _MARK = {"long context": "long", "priority": "priority"}
-
-
-def policy_config(cfg: FlyingConfig) -> PolicyConfig:
-    """The policy settings from Flying's, as ``flying.node.placement.make_policy``."""
-    return PolicyConfig(
-        cfg.policy, cfg.priority_threshold, cfg.light_load, cfg.heavy_load, cfg.tp_gain,
-        slo_ttft_ms=cfg.slo_ttft, slo_tpot_ms=cfg.slo_tpot, phase_s=cfg.phase_s,
-            joins=cfg.move_to_dp != "off",
-    ).validate()
 
 
 class Controller:
@@ -109,10 +102,14 @@ class Controller:
         elif not degree and self.cfg.policy == "adaptive":
             decision = self._decide(req, req.priority)
             degree, why = (decision.degree if decision.mode == "tp" else 0), "policy"
-        if not degree:
-            self.node.dispatch_dp(req)
+        if not degree:  # ``_route_dp``: a mixed layout's DP engines, else SGLang's dispatch
+            rank = self.issuer.dp_engine(self.policy.engines_for(1))
+            if rank is None:
+                self.node.dispatch_dp(req)
+            else:
+                self.node.queue_dp(self.node.engines[rank], req)
             return
-        group = group or self.issuer.choose(degree)
+        group = group or self.issuer.choose(degree, self.policy.engines_for(degree))
         self.node.issue(Bind(self._bind_id(), degree, group.ranks, req, why))
 
     def upgrade(self, req: SimRequest) -> Decision | None:
