@@ -293,7 +293,10 @@ class LayoutChooser(LayoutRanking):
         requests it delays, those its interleaving puts past the TPOT SLO, and the
         running DP requests it leaves beside its groups (the rest join them)."""
         cost_ms = switch.of(running * ((traffic.prompt or 128.0) + output / 2))
-        if self.current.groups and best.groups and running and not cur.saturated:
+        old = self.current.group_ranks()
+        grouped = {r for g in old for r in g}
+        formed = best.group_ranks() - old  # a group both layouts have is kept as it is
+        if any(grouped.intersection(g) for g in formed) and running and not cur.saturated:
             # Running requests move only to DP: the new groups' binds wait until the
             # old groups have finished theirs (the longest, about a whole output).
             # (Saturated: staying costs more.)
@@ -302,8 +305,10 @@ class LayoutChooser(LayoutRanking):
         # saturated: they miss their SLOs whether it switches or not) and the arrivals
         # during it.
         delayed = (0 if cur.saturated else running) + traffic.rate * cost_ms / 1000.0
-        left = self.beside(best, running)
-        lost = 0.0 if self.current.groups or not best.groups or cur.saturated else \
+        # groups formed on engines that run DP now meet those engines' running requests
+        on_dp = sum(1 for g in formed if not grouped.intersection(g))
+        left = self.beside(best, running, on_dp)
+        lost = 0.0 if not on_dp or cur.saturated else \
             interleave_lost(cur, new, left, traffic.rate, output, slo)
         return cost_ms, delayed, lost, left
 

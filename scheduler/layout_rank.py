@@ -126,16 +126,20 @@ class LayoutRanking:
                 out[layout] = p
         return out
 
-    def beside(self, lay: Layout, running: int) -> int:
-        """The running DP requests a switch from DP to ``lay`` leaves beside its groups,
-        running their DP steps between the groups' until they end: all of them, or with
-        ``joins`` those beyond ``MAX_JOIN`` a group (each group's members hold their
-        engines' share of ``running``; the rest join it with their KV, at the switch's
+    def beside(self, lay: Layout, running: int, formed: int | None = None) -> int:
+        """The running DP requests a switch to ``lay`` leaves beside the ``formed``
+        groups it forms on DP engines (default: all its groups, a switch from DP),
+        running their DP steps between the groups' until they end: the members' share
+        of ``running`` (each engine holds an equal share), or with ``joins`` those
+        beyond ``MAX_JOIN`` a group (the rest join it with their KV, at the switch's
         relayout cost)."""
-        if not self.joins or not lay.groups:
-            return running
+        formed = lay.groups if formed is None else formed
+        if not formed:
+            return 0 if lay.groups else running
         share = running * lay.tp_degree / self.num_engines
-        return round(lay.groups * max(0.0, share - MAX_JOIN))
+        if not self.joins:
+            return round(formed * share)
+        return round(formed * max(0.0, share - MAX_JOIN))
 
     def capacity(self, layout: Layout) -> float:
         """The layout's capacity (req/s) for the costs and sizes of the last prediction

@@ -96,6 +96,11 @@ class Layout:
         grouped = sum(d for d in self.servers if d > 1)
         return tuple(range(grouped)), tuple(range(grouped, grouped + self.servers.count(1)))
 
+    def group_ranks(self) -> frozenset[tuple[int, ...]]:
+        """Each of its groups' engines (``placement``): 1xTP2+2xDP's is {(0, 1)}."""
+        grouped, m = self.placement()[0], self.tp_degree
+        return frozenset(grouped[i:i + m] for i in range(0, len(grouped), m))
+
 
 def layouts(num_engines: int, degrees: tuple[int, ...], mixed: bool = True) -> list[Layout]:
     """DP, every degree's all-groups layout, and (``mixed``) on 4+ engines the mixed

@@ -7,6 +7,8 @@ meet no DP arrival; the simulator does the same with the same calls.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from flying.node import config
@@ -134,3 +136,64 @@ def test_under_a_uniform_layout_sglang_dispatches(cfg):
     binds = [[r for r, _ in flying_controller.binds_for(
         ctl, _tok(routing_key=messages.mark(None, 2, "explicit")))] for _ in range(2)]
     assert binds == [[0, 1], [2, 3]]
+
+
+def test_a_simulated_mixed_layout_runs_its_dp_requests_on_its_dp_engines(monkeypatch):
+    """The simulator places as the node does: on 8 simulated H100s at 50 req/s the
+    chooser holds 1xTP4+4xDP for a while (simulated), and every request it then runs in
+    DP starts on engines 4-7; every request is served and the decision log replays."""
+    from flying.node.config import FlyingConfig
+    from scheduler.replay import replay_log
+    from workloads.load.arrivals import ArrivalProcess, retime
+    from workloads.load.presets import build_preset
+    from workloads.sim import control
+    from workloads.sim.profile import load
+    from workloads.sim.run import policy_settings, simulate
+
+    placed: list[tuple[tuple[int, ...], int, tuple[int, ...]]] = []
+    arrive = control.Controller.arrive
+
+    def watched(self, req):
+        within = self.policy.engines_for(1)
+        arrive(self, req)
+        placed.append((within, req.degree, req.ranks))
+
+    monkeypatch.setattr(control.Controller, "arrive", watched)
+    trace = retime(build_preset("paper", 0)[:400], ArrivalProcess("poisson", 50.0), 0)
+    res = simulate(trace, load("h100-llama3-8b"), 8,
+                   policy_settings("adaptive", FlyingConfig(layouts="mixed")))
+    in_mixed = [(w, d, r) for w, d, r in placed if w]
+    assert len(in_mixed) > 20
+    dp = [r for w, d, r in in_mixed if d == 1 and r]
+    assert dp and all(r[0] in (4, 5, 6, 7) for r in dp)
+    assert all(r.error is None for r in res.records)
+    head = json.loads(res.decisions[0])
+    assert head["config"]["mixed"] is True
+    node = Node(**{**head["node"], "degrees": tuple(head["node"]["degrees"])})
+    assert replay_log(res.decisions, PolicyConfig(**head["config"]), node).diffs == []
+
+
+def test_a_switch_that_keeps_a_layouts_groups_is_not_charged_their_drain():
+    """1xTP4+4xDP -> 2xTP4 keeps the group on engines 0-3 and forms one on the DP
+    engines 4-7: no group's requests must end first (the drain that 1xTP8 -> 2xTP4
+    pays, about an output at the current TPOT), and only the DP engines' running
+    requests are left beside the new group."""
+    from scheduler.layout_choice import SwitchCosts
+    from scheduler.service import Prediction, Slo
+    from scheduler.traffic import Traffic
+
+    chooser = LayoutChooser(8, (4, 8), 10.0, 0.1, 1e6, mixed=True)
+    pred = Prediction("x", 50.0, 10.0, 20.0, 1000.0, False, (12.0, 12.0))
+    traffic = Traffic(0.0, 20.0, 20.0, 2000.0, 300.0, 100, 100)
+    switch = SwitchCosts(2.0, 0.0)
+    chooser.current = Layout((4, 1, 1, 1, 1))
+    cost, _, _, left = chooser._charge(Layout((4, 4)), pred, pred, 40, traffic, 300.0,
+                                       Slo(220.0, 9.0), switch)
+    assert cost == pytest.approx(2.0) and left == 20
+    chooser.current = Layout((8,))
+    cost, _, _, left = chooser._charge(Layout((4, 4)), pred, pred, 40, traffic, 300.0,
+                                       Slo(220.0, 9.0), switch)
+    assert cost == pytest.approx(2.0 + 300 * 10.0) and left == 0
+    chooser.current = Layout((1,) * 8)
+    assert chooser._charge(Layout((4, 4)), pred, pred, 40, traffic, 300.0,
+                           Slo(220.0, 9.0), switch)[3] == 40
