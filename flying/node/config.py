@@ -27,7 +27,7 @@ PLATFORMS = ("auto", "cpu", "native")
 PREEMPT_MODES = ("hard", "soft")
 TRUST_MODES = ("trust", "ignore")
 MOVE_MODES = ("policy", "all", "off")
-LAYOUT_MODES = ("mixed", "uniform")
+LAYOUT_MODES = ("uniform", "mixed")
 #: A node name travels in an HTTP header: a short, plain token (host names, IPv6 in [ ]).
 NODE_NAME_MAX = 255
 _NODE_NAME = re.compile(r"[A-Za-z0-9._:\-\[\]]*")
@@ -90,11 +90,13 @@ class FlyingConfig:
     #: Seconds a traffic phase is expected to last: the adaptive policy changes layout
     #: only when the predicted gain over it outlasts the change's measured cost.
     phase_s: float = _POLICY.phase_s
-    #: The layouts the adaptive policy chooses among on 4+ engines: "mixed" also offers
-    #: k groups of one degree beside DP engines (its DP requests then go to its DP
-    #: engines, its binds to its own groups); "uniform" only DP or every engine in
-    #: groups of one degree. On 2-3 engines both are the same.
-    layouts: str = "mixed"
+    #: The layouts the adaptive policy chooses among on 4+ engines: "uniform" DP or
+    #: every engine in groups of one degree; "mixed" also k groups of one degree beside
+    #: DP engines (its DP requests then go to its DP engines, its binds to its own
+    #: groups). On 2-3 engines both are the same. Uniform by default: simulated at 8
+    #: engines, mixed layouts served as much on the paper preset and more past
+    #: saturation, but less at 50 req/s on H100s (docs/BENCHMARKS.md, "Mixed layouts").
+    layouts: str = "uniform"
     #: Where the DP controller appends its decision log (JSON lines: inputs, decision,
     #: reason), and the engines every layout change they make (moves to DP, joins,
     #: upgrades' joins), for ``python -m scheduler.replay``; empty: no log.
@@ -226,7 +228,7 @@ _HELP = {
     "slo_ttft": "Node TTFT SLO in ms for the adaptive policy's goodput (0: 4x the measured quiet TTFT).",
     "slo_tpot": "Node TPOT SLO in ms for the adaptive policy's goodput (0: 1.5x the measured quiet TPOT).",
     "phase_s": "Seconds a traffic phase is expected to last: a layout change must gain more over it than it costs.",
-    "layouts": "Adaptive layouts on 4+ engines: mixed (also groups beside DP engines) or uniform (DP, or all engines in groups of one degree).",
+    "layouts": "Adaptive layouts on 4+ engines: uniform (DP, or all engines in groups of one degree) or mixed (also groups beside DP engines; simulated only).",
     "decision_log": "File the controller and engines append decisions and layout changes to (JSON lines, for python -m scheduler.replay).",
     "experimental_cuda_groups": "Allow TP groups on CUDA engines (unverified; off by default).",
     "client_priority": "trust: clients set priority (X-Priority, body priority) and their own SLOs (X-Flying-SLO-TTFT-Ms, X-Flying-SLO-TPOT-Ms, custom_params); ignore: all dropped.",
