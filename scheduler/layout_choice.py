@@ -274,26 +274,6 @@ class LayoutChooser(LayoutRanking):
         512 at 3 req/s its ITL p95 was 0.89-1.58x groups off (docs/BENCHMARKS.md)."""
         return cur.e2e_ms(output) - new.e2e_ms(output) * (1 + self.latency_gain)
 
-    def _escapes(self, cur: Prediction, new: Prediction, best: Layout, costs: Costs,
-                 traffic: Traffic, queued: float, slo: Slo) -> bool:
-        """Whether ``best`` leaves a layout saturated across the rate's band (at its
-        lower edge too) for one that keeps up with the rate and has more capacity: then
-        a goodput gain at the rate is taken without the band check (``_robust_gain``).
-        Below the rate the two may tie on goodput, but the current layout's queue grows
-        for the whole phase and is carried into the next one, which the prediction of
-        this phase does not count (the band check kept a saturated TP-2 group through a
-        burst on a hidden-768 checkpoint, DP predicted 0.22 req/s within SLO against 0,
-        and the group's backlog, 110 requests, cost the quiet phase after it:
-        docs/BENCHMARKS.md, session 68). Saturated at the rate alone is not enough: a
-        phase's first arrivals read the rate high (simulated, 8B on 8 H100s at a steady
-        40 req/s: 1xTP8 read saturated 1 s in, left for 2xTP4, and the drain put 63 of
-        the first 176 requests past the TTFT SLO; 1xTP8 served them all)."""
-        if not (cur.saturated and not new.saturated
-                and self.capacity(best) > self.capacity(self.current)):
-            return False
-        low = self.predict_all(costs, traffic, queued, slo, band_edge(traffic, -1.0))
-        return self.current in low and low[self.current].saturated
-
     def _dwells(self, now: float, cur: Prediction, new: Prediction) -> bool:
         """The current layout is held: taken under ``DWELL_S`` ago, and the other does
         not predict over ``DWELL_BREAK`` x its goodput."""
@@ -378,8 +358,7 @@ class LayoutChooser(LayoutRanking):
         gain = new.goodput - cur.goodput
         tie = abs(gain) <= GOODPUT_TIE * max(new.goodput, cur.goodput, traffic.rate)
         margin = goodput_margin(cur.goodput, traffic.rate)
-        if not tie and gain > margin and not self._escapes(cur, new, best, costs, traffic,
-                                                           queued, slo):
+        if not tie and gain > margin:
             gain = self._robust_gain(best, costs, traffic, queued, slo)
             if gain <= margin:  # a tie somewhere in the band
                 if cur.saturated or new.saturated or regroup or not (

@@ -623,34 +623,6 @@ def test_a_saturated_layout_is_left_within_its_dwell_and_despite_its_running_req
     assert _choose(_chooser(TP8, preds, TP2, since=-1.0), running=500, rate=50.0) == "1xTP8"
 
 
-def test_a_saturated_layout_is_left_for_one_that_keeps_up_without_the_band_check():
-    """A TP-8 group saturated by a burst (across the rate's band), DP keeping up with
-    the rate and serving more within SLO there, but tying it at the band's lower edge:
-    the group's queue grows for the whole phase and is carried into the next, so the
-    node leaves it (the band check kept it before). Where DP has no more capacity, is
-    saturated too, or the group keeps up at the band's lower edge, the band check
-    stands."""
-    preds = {DP8: _pred(DP8, 5.0), TP8: _pred(TP8, 0.0, saturated=True), TP2: _pred(TP2, 1.0)}
-
-    def chooser(caps: dict) -> LayoutChooser:
-        c = _chooser(TP8, preds, DP8)
-        c._robust_gain = lambda lay, *a: 0.0  # a tie somewhere in the band
-        c.capacity = lambda lay: caps[lay]
-        return c
-
-    caps = {DP8: 12.0, TP8: 10.0, TP2: 11.0}
-    assert _choose(chooser(caps), running=30) == "8xDP"
-    assert _choose(chooser({**caps, DP8: 10.0}), running=30) == "1xTP8"
-    # saturated at the rate read but not at the band's lower edge (a phase's first
-    # arrivals read the rate high): the band check stands
-    started = chooser(caps)
-    started.predict_all = lambda *a, **k: preds if len(a) < 5 and "rate" not in k else \
-        {**preds, TP8: _pred(TP8, 3.0)}
-    assert _choose(started, running=30) == "1xTP8"
-    preds[DP8] = _pred(DP8, 5.0, saturated=True)
-    assert _choose(chooser(caps), running=30) == "1xTP8"
-
-
 def test_the_tail_rule_leaves_for_dp_only_and_past_a_wider_margin():
     """Equal goodput at light load: a group layout is left for its predicted p99 gap
     only where it is past ``TAIL_LEAVE`` x DP's (1.17x stays, 1.5x leaves; its latency is
