@@ -426,8 +426,8 @@ class LayoutChooser(LayoutRanking):
         if len(counts) == 1:
             return next(iter(counts))
         caps = self._quiet_caps[1]
-        weights = {d: n * caps[d] if all(caps.get(e, 0.0) > 0 for e in counts) else float(n)
-                   for d, n in counts.items()}
+        known = all(caps.get(d, 0.0) > 0 for d in counts)
+        weights = {d: n * caps[d] if known else float(n) for d, n in counts.items()}
         total = sum(weights.values())
         for d, w in weights.items():
             self._credit[d] = self._credit.get(d, 0.0) + w / total

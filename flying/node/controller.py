@@ -47,7 +47,8 @@ class BindIssuer:
         mixed layout's group engines: ``Policy.engines_for``) of those inside it."""
         if degree not in self._next:
             raise ValueError(f"TP degree {degree} not available; allowed {sorted(self._next)}")
-        inside = [g for g in groups_of(degree, self.num_engines) if set(g.ranks) <= set(within)]
+        inside = [g for g in groups_of(degree, self.num_engines)
+                  if set(g.ranks) <= set(within)] if within else []
         if not inside:
             return next(self._next[degree])
         return inside[self._turn((degree, within), len(inside))]
