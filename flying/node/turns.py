@@ -87,7 +87,7 @@ def place(controller, req, found: Lookup | None, in_group: bool, turn: bool,
         # place: the loads read here lag the requests just sent, so "least loaded"
         # would send turns arriving together to one engine
         if turn and not in_group and found.turn is not None and found.turn.rank >= 0 \
-                and getattr(req, "routed_dp_rank", None) is None:
+                and routed is None:
             loads = dispatchable_loads(controller)
             if within and any(r in loads for r in within):
                 loads = {r: n for r, n in loads.items() if r in within}
