@@ -30,16 +30,42 @@ PROBE_TOKENS = 16
 #: Token ids of the probe prompt: plain ids every tokenizer of a real model has.
 PROBE_PROMPT = [11, 42, 7, 300, 5, 99, 64, 128, 3, 250, 17, 81]
 #: Calibration (after the probe, before the gate opens): per mode, one request alone (a
-#: prefill of a CALIBRATE_PROMPT-token prompt), then CALIBRATE_BATCH concurrent requests on
-#: each engine of the mode's server (one group for a TP mode) whose lengths are staggered
-#: by CALIBRATE_STEPS tokens, so the batch runs CALIBRATE_STEPS steps at 4 requests, then
-#: at 3, 2 and 1 as they finish: each mode's decode curve (``scheduler.costs``) gets a
-#: point at every batch size up to 4, measured on the same quiet machine for every mode.
-#: Measured, not interpolated, because this CPU's steps are not linear there (hidden-1024
-#: model, quiet: TP-2 22.5 / 37.1 / 43.8 / 35.1 ms at batch 1 / 2 / 3 / 4, one engine
-#: 32 / 57 / 83 / 67): a line from batch 1 to 4 read batches 2-3 25-34 % low. Traffic
-#: fills in the rest.
-CALIBRATE_BATCH, CALIBRATE_PROMPT, CALIBRATE_STEPS = 4, 128, 8
+#: prefill of a CALIBRATE_PROMPT-token prompt, cached for the rest), then one staggered
+#: batch on each engine of the mode's server (one group for a TP mode): its requests'
+#: lengths make the batch run CALIBRATE_STEPS decode steps at each of CALIBRATE_SIZES
+#: as they finish, so each mode's decode curve (``scheduler.costs``) gets a point at
+#: each size, measured on the same quiet machine for every mode.
+#: Measured, not interpolated, because this CPU's steps are not linear at small batches
+#: (hidden-1024 model, quiet: TP-2 22.5 / 37.1 / 43.8 / 35.1 ms at batch 1 / 2 / 3 / 4,
+#: one engine 32 / 57 / 83 / 67): a line from batch 1 to 4 read batches 2-3 25-34 % low.
+#: And sizes up to 32, not 4: past its last point a curve grows by its last segment's
+#: slope, which batches 3-4 leave flat (the lower-is-kept points), so with points to 4
+#: only, the first burst was predicted from flat decode steps in every mode and the
+#: modes' capacities from their prefill costs alone (hidden-768 model: TP-2 598 vs DP
+#: 540 tok/s predicted where a TP-2 group drains 0.94x DP's tokens; one engine at batch
+#: 24 / 50 steps 99 / 166 ms, not batch 4's 45). Traffic fills in the rest. A size
+#: above 4 is run only where its batch fits in half an engine's KV slots without prefix
+#: sharing (a group's requests share no cached prefix): ``calibration_sizes``.
+CALIBRATE_SIZES = (32, 16, 8, 4, 3, 2, 1)
+CALIBRATE_PROMPT, CALIBRATE_STEPS = 128, 8
+
+
+def calibration_sizes(kv_slots: int) -> tuple[int, ...]:
+    """The sizes of CALIBRATE_SIZES to run on engines of ``kv_slots`` KV slots each (0:
+    unknown): batches 1-4 always, a bigger one if it fits in half of them."""
+    longest = CALIBRATE_PROMPT + CALIBRATE_STEPS * len(CALIBRATE_SIZES)
+    return tuple(n for n in CALIBRATE_SIZES if n <= 4 or n * longest <= kv_slots // 2)
+
+
+def stagger_lengths(sizes: tuple[int, ...] = CALIBRATE_SIZES,
+                    steps: int = CALIBRATE_STEPS) -> list[int]:
+    """max_new_tokens of a batch that decodes ``steps`` steps at each of ``sizes``
+    (descending): ``sizes[t] - sizes[t + 1]`` requests stop after ``(t + 1) * steps``
+    tokens. Sorted ascending; ``len`` is ``sizes[0]``."""
+    tiers = [*sizes, 0]
+    return [steps * (t + 1) for t in range(len(sizes))
+            for _ in range(tiers[t] - tiers[t + 1])]
+
 
 _SECRET = secrets.token_hex(16)  # HTTP process only; never leaves it
 _STATE = {"gate": PROBING}
@@ -103,6 +129,17 @@ def _counts(url: str) -> tuple[int, int]:
     return totals.get("faulted_sessions", 0), totals.get("aborted_binds", 0)
 
 
+def _kv_slots(url: str) -> int:
+    """The fewest KV slots of any engine (0: not known)."""
+    import requests
+
+    try:
+        engines = requests.get(url + "/flying/status", timeout=30).json().get("engines", [])
+        return min((int(e.get("total_kv_slots") or 0) for e in engines), default=0)
+    except Exception:  # noqa: BLE001 - unknown: the small batches only
+        return 0
+
+
 def _ask(url: str, degree: int, prompt: list[int] = PROBE_PROMPT,
          tokens: int = PROBE_TOKENS, engine: int | None = None) -> list[int]:
     import requests
@@ -120,28 +157,32 @@ def _ask(url: str, degree: int, prompt: list[int] = PROBE_PROMPT,
     return resp.json()["output_ids"]
 
 
-def calibration_asks(degree: int, engines: int) -> list[tuple[int | None, int]]:
+def calibration_asks(degree: int, engines: int, sizes: tuple[int, ...] = CALIBRATE_SIZES
+                     ) -> list[tuple[int | None, int]]:
     """The staggered batch of one mode: (engine or None, max_new_tokens) per request.
     DP names each request's engine (``routed_dp_rank``) so every engine runs the whole
     stagger; a TP mode sends one stagger to its group."""
-    lengths = [CALIBRATE_STEPS * (k + 1) for k in range(CALIBRATE_BATCH)]
+    lengths = stagger_lengths(sizes)
     if degree == 1:
         return [(e, n) for e in range(engines) for n in lengths]
     return [(None, n) for n in lengths]
 
 
 def calibrate(url: str, degrees: list[int], engines: int) -> None:
-    """Step-cost calibration: for DP and each degree, a prompt alone (its prefill) and a
-    staggered batch (``calibration_asks``); the engines time the steps
+    """Step-cost calibration: for DP and each degree, a prompt alone on each of the
+    mode's servers (its prefill) and a staggered batch (``calibration_asks``); the engines time the steps
     (``flying.session.step_costs``). Never raises: the curves are advice."""
     from concurrent.futures import ThreadPoolExecutor
 
     prompt = [PROBE_PROMPT[i % len(PROBE_PROMPT)] + i % 7 for i in range(CALIBRATE_PROMPT)]
     started = time.monotonic()
     try:
+        sizes = calibration_sizes(_kv_slots(url))
         for degree in (1, *degrees):
-            _ask(url, degree, prompt, tokens=2)  # alone: a prefill of the prompt
-            asks = calibration_asks(degree, engines)
+            for engine in range(engines) if degree == 1 else (None,):
+                # alone: a prefill of the prompt, which the batch then finds cached
+                _ask(url, degree, prompt, tokens=2, engine=engine)
+            asks = calibration_asks(degree, engines, sizes)
             with ThreadPoolExecutor(len(asks)) as pool:
                 list(pool.map(lambda a, d=degree: _ask(url, d, prompt, a[1], a[0]), asks))
     except Exception as exc:  # noqa: BLE001

@@ -19,6 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
+from flying.node.probe import CALIBRATE_SIZES
+from flying.session.step_costs import DECODE, bucket
 from scheduler import replay
 from scheduler.policy import Costs
 from tests.conftest import MAX_TOTAL_TOKENS, serve
@@ -66,15 +68,16 @@ def _decisions(server) -> list[dict]:
 def test_engines_measure_step_cost_curves_per_mode(adaptive_server):
     """The start-up probe and its calibration ran requests in a TP-2 group and in DP:
     every engine has a measured single-request decode step for both, a decode point at
-    every batch size 1-4 (the calibration's staggered batch) and a prefill point (its
-    128-token prompt)."""
+    every batch size of the calibration's staggered batch (1-4 and up to 32: a point in
+    each size's bucket) and a prefill point (its 128-token prompt)."""
     doc = requests.get(adaptive_server.url + "/flying/status", timeout=30).json()
     for engine in doc["engines"]:
         assert set(engine["decode_ms"]) == {"1", "2"}, engine
         assert all(ms > 0 for ms in engine["decode_ms"].values())
         for degree in ("1", "2"):
             curve = engine["curves"][degree]
-            assert {1.0, 2.0, 3.0, 4.0} <= {b for b, _ in curve["decode"]}, curve
+            measured = {bucket(DECODE, round(b)) for b, _ in curve["decode"]}
+            assert {bucket(DECODE, n) for n in CALIBRATE_SIZES} <= measured, curve
             assert max(t for t, _ in curve["prefill"]) >= 100, curve
 
 

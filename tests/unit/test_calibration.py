@@ -1,0 +1,47 @@
+"""The start-up calibration's staggered batches (``flying.node.probe``)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from flying.node import probe
+
+pytestmark = pytest.mark.unit
+
+
+def _batch_per_step(lengths: list[int]) -> list[int]:
+    """Requests decoding at each step of a batch whose requests stop after ``lengths``
+    tokens (all admitted together)."""
+    return [sum(n >= step for n in lengths) for step in range(1, max(lengths) + 1)]
+
+
+def test_the_stagger_decodes_the_same_steps_at_every_calibrated_size():
+    steps = Counter(_batch_per_step(probe.stagger_lengths()))
+    assert steps == {size: probe.CALIBRATE_STEPS for size in probe.CALIBRATE_SIZES}
+    assert max(probe.CALIBRATE_SIZES) >= 16  # past the small sizes whose slope is flat
+
+
+def test_a_custom_stagger_runs_each_size_for_its_steps():
+    assert probe.stagger_lengths((5, 2), steps=3) == [3, 3, 3, 6, 6]
+    assert Counter(_batch_per_step(probe.stagger_lengths((6, 3, 1), 2))) == {6: 2, 3: 2, 1: 2}
+
+
+def test_dp_runs_the_whole_stagger_on_every_engine_and_a_group_runs_it_once():
+    lengths = probe.stagger_lengths()
+    dp = probe.calibration_asks(1, engines=2)
+    assert sorted(n for e, n in dp if e == 0) == lengths
+    assert sorted(n for e, n in dp if e == 1) == lengths
+    assert len(dp) == 2 * len(lengths)
+    assert probe.calibration_asks(2, engines=2) == [(None, n) for n in lengths]
+
+
+def test_a_bigger_batch_is_calibrated_only_where_it_fits_in_half_the_kv_slots():
+    longest = probe.CALIBRATE_PROMPT + probe.CALIBRATE_STEPS * len(probe.CALIBRATE_SIZES)
+    assert probe.calibration_sizes(0) == (4, 3, 2, 1)
+    assert probe.calibration_sizes(2048) == (4, 3, 2, 1)  # the tests' engines
+    assert probe.calibration_sizes(2 * 8 * longest) == (8, 4, 3, 2, 1)
+    assert probe.calibration_sizes(16384) == probe.CALIBRATE_SIZES  # hidden-768 on CPU
+    small = probe.calibration_asks(1, 1, probe.calibration_sizes(0))
+    assert sorted(n for _, n in small) == [8, 16, 24, 32]
