@@ -32,6 +32,9 @@ import requests
 #: Generous: a 2-core machine shared with other servers may take minutes to start one.
 STARTUP_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 30.0
+#: After the launcher exits, how long its engines get to finish their own clean-up (they
+#: unlink their shared-memory outboxes on SIGTERM) before what is left is killed.
+STRAGGLER_S = 5.0
 
 #: Log lines left out of a log tail: the (very long) args dump, import warnings, C++ frames.
 LOG_NOISE = ("server_args=", "warnings.warn", "UserWarning", "frame #")
@@ -126,6 +129,7 @@ class Server:
                     continue
                 except ProcessLookupError:
                     break
+        _await_group(self.proc.pid, STRAGGLER_S)
         try:  # children that outlived the leader are still in the group
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -152,6 +156,25 @@ class Server:
         resp = self.post("/generate", payload, **kw)
         resp.raise_for_status()
         return resp.json()
+
+
+def _await_group(pgid: int, timeout_s: float) -> None:
+    """Wait until no live process is left in group ``pgid``, at most ``timeout_s``
+    (a zombie left for init to reap counts as gone)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and _live_members(pgid):
+        time.sleep(0.1)
+
+
+def _live_members(pgid: int) -> bool:
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:  # state, ppid, pgrp
+            return True
+    return False
 
 
 class ServerFailed(RuntimeError):
