@@ -170,14 +170,14 @@ def calibration_asks(degree: int, engines: int, sizes: tuple[int, ...] = CALIBRA
 
 def calibrate(url: str, degrees: list[int], engines: int) -> None:
     """Step-cost calibration: for DP and each degree, a prompt alone on each of the
-    mode's servers (its prefill) and a staggered batch (``calibration_asks``); the engines time the steps
-    (``flying.session.step_costs``). Never raises: the curves are advice."""
+    mode's servers (its prefill) and a staggered batch (``calibration_asks``); the
+    engines time the steps (``flying.session.step_costs``). Never raises: the curves
+    are advice."""
     from concurrent.futures import ThreadPoolExecutor
 
     prompt = [PROBE_PROMPT[i % len(PROBE_PROMPT)] + i % 7 for i in range(CALIBRATE_PROMPT)]
-    started = time.monotonic()
+    started, sizes = time.monotonic(), calibration_sizes(_kv_slots(url))
     try:
-        sizes = calibration_sizes(_kv_slots(url))
         for degree in (1, *degrees):
             for engine in range(engines) if degree == 1 else (None,):
                 # alone: a prefill of the prompt, which the batch then finds cached
@@ -187,7 +187,8 @@ def calibrate(url: str, degrees: list[int], engines: int) -> None:
                 list(pool.map(lambda a, d=degree: _ask(url, d, prompt, a[1], a[0]), asks))
     except Exception as exc:  # noqa: BLE001
         logger.warning("Flying: step-cost calibration incomplete: %s", exc)
-    logger.info("Flying: step costs calibrated in %.1f s", time.monotonic() - started)
+    logger.info("Flying: step costs calibrated in %.1f s (decode batches %s)",
+                time.monotonic() - started, "/".join(map(str, sorted(sizes))))
 
 
 def _log_slo(store, degrees: list[int], engines: int) -> None:
