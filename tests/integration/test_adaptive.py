@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from flying.node.probe import CALIBRATE_SIZES
+from flying.node.probe import CALIBRATE_SIZES, calibration_sizes
 from flying.session.step_costs import DECODE, bucket
 from scheduler import replay
 from scheduler.policy import Costs
@@ -33,10 +33,15 @@ pytestmark = pytest.mark.integration
 BURST, NEW_TOKENS = 10, 12
 
 
-def _adaptive(model_dir, log_dir, delay: str):
+#: KV slots per engine of the slower-group node: enough for the calibration's every
+#: size (``flying.node.probe.calibration_sizes``); the other node has the tests' usual.
+CALIBRATED_TOKENS = 12288
+
+
+def _adaptive(model_dir, log_dir, delay: str, kv_tokens: int = MAX_TOTAL_TOKENS):
     server_gen = serve(  # --flying-policy adaptive: the default
         log_dir / "server.log", "--model-path", str(model_dir),
-        "--dp-size", "2", "--max-total-tokens", str(MAX_TOTAL_TOKENS),
+        "--dp-size", "2", "--max-total-tokens", str(kv_tokens),
         "--flying-decision-log", str(log_dir / "decisions.jsonl"),
         env={"FLYING_TEST_STEP_DELAY_MS": delay},
     )
@@ -48,7 +53,8 @@ def _adaptive(model_dir, log_dir, delay: str):
 @pytest.fixture(scope="module")
 def adaptive_server(demo_model_dir, tmp_path_factory):
     """A node whose TP-2 group step is 10 ms slower than one engine's."""
-    server, gen = _adaptive(demo_model_dir, tmp_path_factory.mktemp("adaptive"), "2:10")
+    server, gen = _adaptive(demo_model_dir, tmp_path_factory.mktemp("adaptive"), "2:10",
+                            CALIBRATED_TOKENS)
     yield server
     gen.close()
 
@@ -68,10 +74,12 @@ def _decisions(server) -> list[dict]:
 def test_engines_measure_step_cost_curves_per_mode(adaptive_server):
     """The start-up probe and its calibration ran requests in a TP-2 group and in DP:
     every engine has a measured single-request decode step for both, a decode point at
-    every batch size of the calibration's staggered batch (1-4 and up to 32: a point in
-    each size's bucket) and a prefill point (its 128-token prompt)."""
+    every batch size of the calibration's staggered batch (1-4, 8, 16 and 32 on this
+    node's KV: a point in each size's bucket) and a prefill point (its 128-token
+    prompt)."""
     doc = requests.get(adaptive_server.url + "/flying/status", timeout=30).json()
     for engine in doc["engines"]:
+        assert calibration_sizes(engine["total_kv_slots"]) == CALIBRATE_SIZES, engine
         assert set(engine["decode_ms"]) == {"1", "2"}, engine
         assert all(ms > 0 for ms in engine["decode_ms"].values())
         for degree in ("1", "2"):
