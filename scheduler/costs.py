@@ -9,8 +9,10 @@ its cost while other processes share the cores). Here those points become curves
 - ``decode(degree, batch)``: ms of one decode step of ``batch`` running requests;
 - ``prefill(degree, tokens)``: ms of one extend step of ``tokens`` new tokens.
 
-Both are piecewise linear through the measured points, made non-decreasing (below the
-first point: its value; beyond the last: the last segment's slope). Outside a TP mode's
+Both are piecewise linear through the measured points, made non-decreasing (a decode
+point above a bigger batch's is lowered to it, a prefill point there dropped:
+``_monotone``; below the first point: its value; beyond the last: the last segment's
+slope). Outside a TP mode's
 measured points (beyond its last, below its first; one point: everywhere but there) the
 mode grows as DP's curve does, scaled to pass through its own nearest point (the
 start-up calibration measures every mode at a few sizes; traffic fills in the rest, DP
@@ -65,19 +67,41 @@ def _points(raw: Iterable) -> tuple[Point, ...]:
 
 
 @functools.lru_cache(maxsize=1024)
-def _monotone(points: tuple[Point, ...]) -> tuple[Point, ...]:
-    """``points`` made non-decreasing in ms by lowering each to the cheapest point at
-    or beyond it (a step never costs less for more work, and noise on a shared machine
-    only stretches a step: a point above a bigger step's is a stretched sample, and the
-    bigger step's time bounds it). Raising the later points instead let one stalled
-    sample (TP-2 at batch 3: 49 ms between 10 and 12) price every bigger batch.
+def _monotone(points: tuple[Point, ...], drop: bool = False) -> tuple[Point, ...]:
+    """``points`` made non-decreasing in ms: a point above a point at bigger work is
+    lowered to the cheapest point beyond it (decode), or dropped so that the curve runs
+    straight from the point before it to the cheaper one (``drop``: prefill).
+
+    Decode: this CPU's decode steps are not monotone at small batches (a quiet batch 3
+    costs more than batch 4 on every checkpoint calibrated: hidden-768 one engine 51 /
+    64 / 51 ms at batch 2-4, TP-2 29 / 34 / 29), so a line from batch 1 to batch 4
+    would read batch 2 a third low; lowering reads it at batch 4's cost, about its own.
+    Raising the later points instead let one stalled sample (TP-2 at batch 3: 49 ms
+    between 10 and 12) price every bigger batch.
+
+    Prefill: cost grows with the new tokens; a small prefill above a bigger one is a
+    stretched sample (noise on a shared machine only stretches a step), and lowering it
+    flattened the curve at the bigger one's cost all the way to it: on the hidden-768
+    model one engine's curve read 283 ms at 105 tokens, where the points either side of
+    a stretched 20-token sample (326 ms) put ~245.
+
     Cached: every predicted step reads both its mode's and DP's curve through here
     (~70 % of a decision's time before), and a node's curves change rarely."""
-    out, low = [], math.inf
+    out: list[Point] = []
+    low = math.inf
     for x, y in reversed(points):
-        low = min(low, y)
-        out.append((x, low))
+        if y <= low or not drop:
+            low = min(low, y)
+            out.append((x, low))
     return tuple(reversed(out))
+
+
+def read(points: Iterable, x: float, kind: str = "decode") -> float:
+    """What a curve of ``kind`` through the raw ``points`` ((work, ms), any order) reads
+    at ``x``, as the policy reads it (one point per work, made non-decreasing,
+    interpolated). The engines' step clock measures how stretched a step ran against
+    this."""
+    return interpolate(_monotone(_points(points), kind == "prefill"), x)
 
 
 @dataclass(frozen=True)
@@ -215,7 +239,8 @@ class Costs:
         return points
 
     def _value(self, degree: int, kind: str, x: float) -> float | None:
-        own, dp = _monotone(self._own(degree, kind)), _monotone(self._own(1, kind))
+        drop = kind == "prefill"
+        own, dp = _monotone(self._own(degree, kind), drop), _monotone(self._own(1, kind), drop)
         if own and degree != 1 and len(dp) >= 2 and not own[0][0] <= x <= own[-1][0]:
             # outside its measured points a mode grows as DP does, scaled at its nearest
             # point (one point: DP's shape through it). Not flat: a group measured only

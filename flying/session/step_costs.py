@@ -34,7 +34,7 @@ stretch either mode.
 
 The stretch is published beside the curves, not folded into them (``stretch``): per
 degree, the mean of the recent samples' ratio to what the curve reads at their point
-(the cheapest best at or beyond it), over the last ``STRETCH_S`` seconds, and
+(``scheduler.costs.read``), over the last ``STRETCH_S`` seconds, and
 ``stretch_last`` its last value however long ago. The curves say what a step costs on a quiet machine; the
 stretch says how much slower the mode's steps run now (``stretch``). The policy checks a
 goodput switch at both (``scheduler.costs.Costs.loaded``); the SLOs read the quiet
@@ -60,6 +60,8 @@ import bisect
 import math
 import time
 from collections import deque
+
+from scheduler.costs import read
 
 #: Samples kept per curve point, and the percentile of them that is the point's cost.
 WINDOW = 64
@@ -134,7 +136,7 @@ class StepClock:
     def record(self, degree: int, ms: float, kind: str = DECODE, work: int = 1,
                now: float | None = None) -> None:
         key = (degree, kind, bucket(kind, work))
-        floor = self._floor(key)
+        floor = self._floor(key, float(work), ms)
         if floor is not None:
             ratios = self._ratios.get(degree)
             if ratios is None:
@@ -156,24 +158,23 @@ class StepClock:
         if kind == DECODE and work == 1:
             self._live_step(degree, ms, (self._best.get(key) or window.point())[1])
 
-    def _floor(self, key: Key) -> float | None:
-        """What the policy's curve reads at ``key``'s point: the cheapest point at or
-        beyond it of its degree and kind (``scheduler.costs._monotone``: a point above a
-        bigger step's is lowered to it), None until one of them has a best. The stretch
-        is measured against it, not against the point's own best: on the hidden-1024
-        model at 0.6 req/s a TP-2 group's serving points at batch 2-3 (30.0, 34.5 ms)
-        sat above the start-up calibration's quiet batch-4 point (24.9 ms), so the curve
-        read 24.9 there while the stretch, against the serving points, said 1.1-1.3:
-        the group was predicted to stream at 17 ms and streamed at 31-34."""
-        floor, best = math.inf, False
-        for k in self._keys.get(key[:2], ()):
-            if k[2] < key[2]:
-                continue
-            point = self._best.get(k)
-            best = best or point is not None
-            ms = (point or self._ms[k].point())[1]
-            floor = min(floor, ms)
-        return floor if best else None
+    def _floor(self, key: Key, work: float, ms: float) -> float | None:
+        """What the policy's curve reads at ``key``'s point (the sample ``(work, ms)``
+        while it has none) for its degree and kind (``scheduler.costs.read``: a decode point above a
+        bigger step's reads as the cheapest beyond it; a prefill point there is dropped,
+        the curve runs straight past it), None until a point at or beyond ``key`` has a
+        best. The stretch is measured against it, not against the point's own best: on
+        the hidden-1024 model at 0.6 req/s a TP-2 group's serving points at batch 2-3
+        (30.0, 34.5 ms) sat above the start-up calibration's quiet batch-4 point
+        (24.9 ms), so the curve read 24.9 there while the stretch, against the serving
+        points, said 1.1-1.3: the group was predicted to stream at 17 ms and streamed
+        at 31-34."""
+        keys = self._keys.get(key[:2], ())
+        if not any(k[2] >= key[2] and k in self._best for k in keys):
+            return None
+        points = {k: self._best.get(k) or self._ms[k].point() for k in keys}
+        points.setdefault(key, (work, ms))  # its first sample: the point it starts
+        return read(points.values(), points[key][0], key[1])
 
     def _live_step(self, degree: int, ms: float, best: float) -> None:
         """A single-request decode step of ``ms``: the mode's live mean (each step at

@@ -107,6 +107,18 @@ def test_a_stretched_point_is_bounded_by_a_bigger_cheaper_step():
     assert steps == sorted(steps)
 
 
+def test_a_stretched_small_prefill_does_not_flatten_the_segment_after_it():
+    """A small prefill sample stretched above the next point (as on the hidden-768
+    model, one engine, session 70: 20 tokens at 326 ms): lowered to the next point's
+    value it held the curve flat at that value from 20 tokens on (250 ms at 40
+    tokens); dropped, the curve runs straight from 16 to 64 tokens (215 ms at 40)."""
+    points = [(16, 180.0), (20.5, 326.0), (64, 250.0), (256, 600.0)]
+    costs = Costs({1: 40.0}, {1: Curve.of([], points)})
+    assert costs.prefill(1, 20.5) == pytest.approx(180.0 + 70.0 * 4.5 / 48)
+    assert costs.prefill(1, 40) == pytest.approx(180.0 + 70.0 * 24 / 48)
+    assert costs.prefill(1, 64) == pytest.approx(250.0)
+
+
 def test_costs_json_round_trip():
     doc = json.loads(json.dumps(TP_ALWAYS.to_json()))
     assert Costs.from_json(doc) == TP_ALWAYS

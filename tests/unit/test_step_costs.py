@@ -180,3 +180,20 @@ def test_a_points_window_is_its_latest_samples():
         assert len(window) == len(latest)
         assert window.point() == (sum(w for w, _ in latest) / len(latest),
                                   ordered[int(QUANTILE * (len(ordered) - 1))]), i
+
+
+def test_a_stretched_prefill_point_is_measured_against_the_line_past_it():
+    """A prefill point above a bigger one is dropped from the policy's curve (the line
+    runs from 16 tokens straight to 64), so its steps are stretched against that line:
+    20 tokens at 326 ms over 180 + 70 * 4 / 48 ms, not over the 64-token point's 250
+    (what the curve read when such a point was lowered to the next)."""
+    from flying.session.step_costs import MIN_SAMPLES
+
+    clock = StepClock()
+    for i in range(MIN_SAMPLES):  # quiet points: 16 and 64 tokens, 20 stretched
+        for tokens, ms in ((16, 180.0), (20, 326.0), (64, 250.0)):
+            clock.record(1, ms, "prefill", tokens, now=float(i))
+    for i in range(2 * MIN_SAMPLES):
+        clock.record(1, 326.0, "prefill", 20, now=100.0 + i)
+    line = 180.0 + 70.0 * 4 / 48
+    assert clock.stretch(now=100.0 + 2 * MIN_SAMPLES) == {1: pytest.approx(326.0 / line, abs=1e-3)}
