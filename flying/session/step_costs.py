@@ -85,6 +85,15 @@ LIVE_WINDOW = 32
 
 DECODE, PREFILL = "decode", "prefill"
 #: (degree, kind, bucket): one curve point.
+#: A prefill point is what one prompt's new tokens cost; an extend step of several
+#: requests is a sample of it only where they bring at least this many new tokens each.
+#: The start-up calibration's batch arrives with its prompt cached, so one extend step
+#: carries ~20 requests of about one new token each, and it costs per request, not per
+#: token: one engine read 394 / 427 ms for "20 tokens" on the hidden-1024 model (two
+#: runs), between 107-116 ms at 7 tokens and 425-431 at 128, and 325 ms on hidden 512
+#: (62 at 8, 202 at 128). Kept on the curve, it priced every 16-32-token prompt at it.
+MIN_PROMPT_TOKENS = 16
+
 Key = tuple[int, str, int]
 #: (degree, kind, work): what one step did (work: batch size or new tokens).
 Sample = tuple[int, str, int]
@@ -293,12 +302,16 @@ class _Window:
 
 def sample_of(batch, degree: int, interleaved: bool) -> Sample | None:
     """What a step of ``batch`` is a sample of: a decode step by its batch size, an
-    extend step by its new tokens; None for anything else (mixed, idle, interleaved)."""
+    extend step by its new tokens; None for anything else (mixed, idle, interleaved,
+    and an extend of many requests with a few new tokens each: ``MIN_PROMPT_TOKENS``)."""
     if batch is None or interleaved or not batch.reqs:
         return None
     mode = batch.forward_mode
     if mode.is_decode():
         return degree, DECODE, len(batch.reqs)
     if mode.is_extend() and not mode.is_mixed() and batch.extend_num_tokens:
-        return degree, PREFILL, int(batch.extend_num_tokens)
+        tokens, n = int(batch.extend_num_tokens), len(batch.reqs)
+        if n > 1 and tokens < MIN_PROMPT_TOKENS * n:
+            return None
+        return degree, PREFILL, tokens
     return None

@@ -27,6 +27,16 @@ def test_decode_steps_by_batch_size_and_prefill_steps_by_tokens():
     assert sample_of(None, 1, interleaved=False) is None
 
 
+def test_an_extend_of_many_requests_with_few_new_tokens_is_no_prefill_point():
+    """The calibration's cached batch (20 requests, one new token each) costs per
+    request; one prompt of any size, or several bringing a prompt's tokens each, count."""
+    assert sample_of(_batch(20, decode=False, tokens=20), 1, False) is None
+    assert sample_of(_batch(2, decode=False, tokens=31), 1, False) is None
+    assert sample_of(_batch(2, decode=False, tokens=32), 1, False) == (1, "prefill", 32)
+    assert sample_of(_batch(1, decode=False, tokens=3), 2, False) == (2, "prefill", 3)
+    assert sample_of(_batch(31, decode=False, tokens=31 * 128), 2, False) == (2, "prefill", 3968)
+
+
 def test_buckets():
     assert [bucket("decode", b) for b in (1, 2, 3, 4, 5, 8, 9)] == [1, 2, 3, 4, 8, 8, 16]
     assert [bucket("prefill", t) for t in (1, 16, 17, 300)] == [16, 16, 32, 512]
