@@ -84,7 +84,6 @@ MAX_STRETCH = 10.0
 LIVE_WINDOW = 32
 
 DECODE, PREFILL = "decode", "prefill"
-#: (degree, kind, bucket): one curve point.
 #: A prefill point is what one prompt's new tokens cost; an extend step of several
 #: requests is a sample of it only where they bring at least this many new tokens each.
 #: The start-up calibration's batch arrives with its prompt cached, so one extend step
@@ -94,6 +93,7 @@ DECODE, PREFILL = "decode", "prefill"
 #: (62 at 8, 202 at 128). Kept on the curve, it priced every 16-32-token prompt at it.
 MIN_PROMPT_TOKENS = 16
 
+#: (degree, kind, bucket): one curve point.
 Key = tuple[int, str, int]
 #: (degree, kind, work): what one step did (work: batch size or new tokens).
 Sample = tuple[int, str, int]
