@@ -45,3 +45,15 @@ def test_a_bigger_batch_is_calibrated_only_where_it_fits_in_half_the_kv_slots():
     assert probe.calibration_sizes(16384) == probe.CALIBRATE_SIZES  # hidden-768 on CPU
     small = probe.calibration_asks(1, 1, probe.calibration_sizes(0))
     assert sorted(n for _, n in small) == [8, 16, 24, 32]
+
+
+def test_every_mode_is_calibrated_twice_in_turn_each_pass_with_a_prompt_of_its_own():
+    """DP, TP-2, DP, TP-2: a stretch of the machine during one pass leaves the other
+    pass's lower points; no pass finds another's prompt cached (its prefill is
+    measured again)."""
+    passes = probe.calibration_passes([2])
+    assert [d for d, _ in passes] == [1, 2] * probe.CALIBRATE_PASSES
+    assert probe.CALIBRATE_PASSES >= 2
+    assert len({p[0] for _, p in passes}) == len(passes)  # first tokens all differ
+    assert all(len(p) == probe.CALIBRATE_PROMPT for _, p in passes)
+    assert [d for d, _ in probe.calibration_passes([2, 4], passes=1)] == [1, 2, 4]
