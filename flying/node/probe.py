@@ -237,9 +237,31 @@ def _log_slo(store, degrees: list[int], engines: int) -> None:
         logger.exception("Flying: could not derive the node's SLOs")
 
 
+def _serving(url: str, store, engines: int) -> None:
+    """The probe is done (``status.CALIBRATED_KEY``): every engine forgets the stretch
+    its calibration measured at its next status refresh, which a one-token request per
+    engine brings about before the gate opens (an idle engine does not refresh)."""
+    from flying.session.status import CALIBRATED_KEY
+
+    if store is not None:
+        store.set(CALIBRATED_KEY, "1")
+    try:
+        for engine in range(engines):
+            _ask(url, 1, tokens=1, engine=engine)
+    except Exception as exc:  # noqa: BLE001 - advice only, as the calibration
+        logger.warning("Flying: an engine did not step after the calibration: %s", exc)
+
+
 def run(url: str, degrees: list[int], store, engines: int = 0) -> str:
     """Probe every degree against DP, calibrate the step costs (``engines``: the
     engine count; 0 skips it); set and return the gate."""
+    try:
+        return _run(url, degrees, store, engines)
+    finally:
+        _serving(url, store, 0)  # done either way (set again where it calibrated)
+
+
+def _run(url: str, degrees: list[int], store, engines: int) -> str:
     if not degrees:
         _set(store, "closed:no TP degree is allowed on this node")
         return gate()
@@ -258,6 +280,7 @@ def run(url: str, degrees: list[int], store, engines: int = 0) -> str:
         return gate()
     if engines:
         calibrate(url, degrees, engines)
+        _serving(url, store, engines)
         _log_slo(store, degrees, engines)
     logger.info("Flying: start-up probe passed for TP degrees %s: groups open", degrees)
     _set(store, OPEN)

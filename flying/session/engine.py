@@ -116,6 +116,8 @@ class FlyingEngine(Lifecycle, Drain):
         self._status_at = 0.0
         self._published_busy = False
         self._published_degree = 1  # the mode's degree in the last published document
+        #: until the start-up probe is done: its steps are no serving (``_serving``)
+        self._calibrating = True
 
     @property
     def mode(self) -> Mode:
@@ -380,7 +382,17 @@ class FlyingEngine(Lifecycle, Drain):
         if force or changed or now - self._status_at >= STATUS_EVERY_S:
             self._status_at = now
             self._published_busy, self._published_degree = busy, degree
+            self._serving()
             status.publish(self.pool.store, self.dp_rank, self, scheduler)
+
+    def _serving(self) -> None:
+        """Once the start-up probe is done, forget the stretch its calibration measured
+        (``StepClock.forget_stretch``): a stretch is of serving. Asked at each status
+        refresh until then (a store round trip; the probe makes every engine step, and
+        so refresh, after it is done)."""
+        if self._calibrating and status.calibration_over(self.pool.store):
+            self._calibrating = False
+            self.clock.forget_stretch()
 
 
 def _has_dp_work(scheduler) -> bool:

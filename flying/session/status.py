@@ -50,6 +50,22 @@ def key(dp_rank: int) -> str:
     return f"flying/status/{dp_rank}"
 
 
+#: Set by the start-up probe when it is done (calibrated, or groups closed without it):
+#: the engines' steps from then on are the node's serving.
+CALIBRATED_KEY = "flying/calibrated"
+
+
+def calibration_over(store) -> bool:
+    """Whether the start-up probe is done (``CALIBRATED_KEY``); False if the store
+    cannot tell now. An engine asks at each status refresh until it is."""
+    if store is None:
+        return False
+    try:
+        return bool(store.check([CALIBRATED_KEY]))
+    except RuntimeError:  # the store unreachable for now: asked again next time
+        return False
+
+
 def document(dp_rank: int, engine, scheduler=None) -> str:
     """The engine's status as JSON, read on the engine's thread (its state is not
     safe to read from another)."""

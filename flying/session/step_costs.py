@@ -245,6 +245,20 @@ class StepClock:
         self._stretch_last.update(out)
         return out
 
+    def forget_stretch(self) -> None:
+        """Drop the stretch measured so far, now and last (the start-up calibration's:
+        ``flying.session.status.calibration_over``); the points and live steps stay.
+
+        The calibration is no serving: its modes run one after another, each with its
+        own batch in flight from the HTTP process, and a mode's stretch there is its
+        passes' spread. Kept, it was the "now" of the mode calibrated last and the
+        "when it last served" of every mode, and the first decisions hinged on it
+        (hidden-768 model, three starts: TP-2 at 1.56 / 1.34 / 1.15, one engine at
+        1.25 / 1.43 / 1.07; the node kept DP "for a group that streams slower at the
+        costs the steps run at now" in the first two, took TP-2 in the third)."""
+        self._ratios.clear()
+        self._stretch_last.clear()
+
     def stretch_last(self) -> dict[int, float]:
         """Per degree: its stretch the last time ``stretch`` read one, however long ago
         (as ``live_ms`` keeps a mode's steps): what a mode that stopped serving ran at

@@ -76,9 +76,11 @@ def test_engines_measure_step_cost_curves_per_mode(adaptive_server):
     every engine has a measured single-request decode step for both, a decode point at
     every batch size of the calibration's staggered batch (1-4, 8, 16 and 32 on this
     node's KV: a point in each size's bucket) and a prefill point (its 128-token
-    prompt)."""
+    prompt). The calibration is no serving: no engine reports a stretch of it, now or
+    last."""
     doc = requests.get(adaptive_server.url + "/flying/status", timeout=30).json()
     for engine in doc["engines"]:
+        assert engine["stretch"] == {} == engine["stretch_last"], engine
         assert calibration_sizes(engine["total_kv_slots"]) == CALIBRATE_SIZES, engine
         assert set(engine["decode_ms"]) == {"1", "2"}, engine
         assert all(ms > 0 for ms in engine["decode_ms"].values())

@@ -207,3 +207,24 @@ def test_a_stretched_prefill_point_is_measured_against_the_line_past_it():
         clock.record(1, 326.0, "prefill", 20, now=100.0 + i)
     line = 180.0 + 70.0 * 4 / 48
     assert clock.stretch(now=100.0 + 2 * MIN_SAMPLES) == {1: pytest.approx(326.0 / line, abs=1e-3)}
+
+
+def test_the_calibrations_stretch_is_forgotten_and_its_points_kept():
+    """The start-up calibration's steps make points and live steps; their stretch (one
+    pass over the other) is no serving's and is forgotten when the probe is done, now
+    and last; serving measures its own from then on."""
+    from flying.session.step_costs import MIN_SAMPLES
+
+    clock = StepClock()
+    for i in range(MIN_SAMPLES):  # the first pass: a best of 10 ms at batch 1
+        clock.record(2, 10.0, "decode", 1, now=float(i))
+    for i in range(MIN_SAMPLES):  # the second pass ran 1.5x
+        clock.record(2, 15.0, "decode", 1, now=10.0 + i)
+    assert clock.stretch(now=20.0) == {2: 1.5} == clock.stretch_last()
+    live = clock.live_ms()
+    clock.forget_stretch()
+    assert clock.stretch(now=20.0) == {} == clock.stretch_last()
+    assert clock.curves()[2]["decode"] == [[1.0, 10.0]] and clock.live_ms() == live
+    for i in range(MIN_SAMPLES):  # serving
+        clock.record(2, 12.0, "decode", 1, now=30.0 + i)
+    assert clock.stretch(now=40.0) == {2: 1.2} == clock.stretch_last()
