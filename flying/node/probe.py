@@ -254,17 +254,28 @@ def _serving(url: str, store, engines: int) -> None:
 
 def run(url: str, degrees: list[int], store, engines: int = 0) -> str:
     """Probe every degree against DP, calibrate the step costs (``engines``: the
-    engine count; 0 skips it); set and return the gate."""
+    engine count; 0 skips it); set and return the gate. The probe is marked done
+    (``_serving``) once, however it ends, and before the gate opens."""
+    passed = False
     try:
-        return _run(url, degrees, store, engines)
+        passed = _probe(url, degrees, store)
+        if passed and engines:
+            calibrate(url, degrees, engines)
     finally:
-        _serving(url, store, 0)  # done either way (set again where it calibrated)
+        _serving(url, store, engines if passed else 0)
+    if passed:
+        if engines:
+            _log_slo(store, degrees, engines)
+        logger.info("Flying: start-up probe passed for TP degrees %s: groups open", degrees)
+        _set(store, OPEN)
+    return gate()
 
 
-def _run(url: str, degrees: list[int], store, engines: int) -> str:
+def _probe(url: str, degrees: list[int], store) -> bool:
+    """Whether every degree's tokens equal DP's; if not, the gate is closed (why)."""
     if not degrees:
         _set(store, "closed:no TP degree is allowed on this node")
-        return gate()
+        return False
     try:
         want = _ask(url, 1)
         for m in degrees:
@@ -277,11 +288,5 @@ def _run(url: str, degrees: list[int], store, engines: int) -> str:
     except Exception as exc:  # noqa: BLE001 - any failure closes the gate, never the node
         logger.error("Flying: start-up probe failed, serving with TP groups off: %s", exc)
         _set(store, f"closed:the start-up probe failed: {exc}")
-        return gate()
-    if engines:
-        calibrate(url, degrees, engines)
-        _serving(url, store, engines)
-        _log_slo(store, degrees, engines)
-    logger.info("Flying: start-up probe passed for TP degrees %s: groups open", degrees)
-    _set(store, OPEN)
-    return gate()
+        return False
+    return True

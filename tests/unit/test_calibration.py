@@ -57,3 +57,42 @@ def test_every_mode_is_calibrated_twice_in_turn_each_pass_with_a_prompt_of_its_o
     assert len({p[0] for _, p in passes}) == len(passes)  # first tokens all differ
     assert all(len(p) == probe.CALIBRATE_PROMPT for _, p in passes)
     assert [d for d, _ in probe.calibration_passes([2, 4], passes=1)] == [1, 2, 4]
+
+
+class _Store:
+    """The keys the probe sets, in order."""
+
+    def __init__(self):
+        self.sets: list[tuple[str, str]] = []
+
+    def set(self, key: str, value: str) -> None:
+        self.sets.append((key, value))
+
+
+@pytest.mark.parametrize("outcome", ["open", "differs", "no-degree"])
+def test_the_probe_is_marked_done_once_and_before_the_gate_opens(monkeypatch, outcome):
+    from flying.session.status import CALIBRATED_KEY
+
+    asks: list[tuple[int, int | None]] = []
+
+    def ask(url, degree, prompt=probe.PROBE_PROMPT, tokens=8, engine=None):
+        asks.append((degree, engine))
+        return [1, 2] if degree == 1 or outcome == "open" else [3]
+
+    monkeypatch.setitem(probe._STATE, "gate", probe.PROBING)
+    monkeypatch.setattr(probe, "_ask", ask)
+    monkeypatch.setattr(probe, "_counts", lambda url: (0, 0))
+    monkeypatch.setattr(probe, "calibrate", lambda url, degrees, engines: None)
+    monkeypatch.setattr(probe, "_log_slo", lambda store, degrees, engines: None)
+    store = _Store()
+    degrees = [] if outcome == "no-degree" else [2]
+    gate = probe.run("http://node", degrees, store, engines=2)
+    keys = [k for k, _ in store.sets]
+    assert keys.count(CALIBRATED_KEY) == 1
+    if outcome == "open":
+        assert gate == probe.OPEN
+        assert keys.index(CALIBRATED_KEY) < keys.index(probe.GATE_KEY)
+        assert asks[-2:] == [(1, 0), (1, 1)]  # each engine steps once after it is set
+    else:
+        assert gate.startswith("closed:") and store.sets[-1] == (CALIBRATED_KEY, "1")
+        assert (1, 0) not in asks  # no engine is asked to step for a calibration not run
