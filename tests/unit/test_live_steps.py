@@ -12,7 +12,7 @@ from scheduler.layout_choice import LayoutChooser, SwitchCosts
 from scheduler.policy import EngineLoad, Node, Policy, PolicyConfig, Request
 from scheduler.service import Slo
 from scheduler.traffic import Traffic
-from tests.unit.test_goodput import S35_COSTS, S35_TRAFFIC
+from tests.unit.test_goodput import S35_COSTS, S35_TRAFFIC, TP_ALWAYS
 
 pytestmark = pytest.mark.unit
 
@@ -89,26 +89,47 @@ def test_the_controller_merges_the_engines_live_steps():
     assert costs.live_low_ms == {1: 37.0, 2: 31.0}
 
 
+#: a group faster at every batch (25 vs 40 ms alone), at a light load both layouts serve
+#: within a loose SLO: latency decides
+LIGHT = Traffic(0, 0.3, 0.3, 128, 64, 100, 100)
+LOOSE = Slo(5000.0, 200.0)
+
+
+def _live(live_ms: dict[int, float], live_low_ms: dict[int, float]) -> Costs:
+    return Costs(TP_ALWAYS.decode_ms, TP_ALWAYS.curves, {}, live_ms, live_low_ms)
+
+
 def test_a_group_slower_while_serving_is_not_taken_for_latency_again():
-    """The hidden-1024 node's logged decision (cpu-three-peak, session 35) with nothing
-    running takes TP-2 for latency on the calibrated steps (29.5 vs 33.0 ms); once the
-    group has streamed slower than one engine while serving, the same moment stays DP,
-    and priority requests (``Policy.pays``) no longer bind a group either."""
+    """With nothing running the node takes TP-2 for latency on the calibrated steps;
+    once the group has streamed slower than one engine while serving (the hidden-1024
+    node, cpu-three-peak, session 35: 41.3 ms a step against DP's 41.8 at its quietest),
+    the same moment stays DP, and priority requests (``Policy.pays``) no longer bind a
+    group either."""
+    switch = SwitchCosts(3.716, 68.2)
     chooser = LayoutChooser(2, (2,), 10.0, 0.10, 16384)
-    slo, switch = Slo(3264.5, 49.49), SwitchCosts(3.716, 68.2)
-    assert chooser.choose(0.0, S35_COSTS, S35_TRAFFIC, 0, 0, slo, switch).layout.name == "1xTP2"
-    live = Costs(S35_COSTS.decode_ms, S35_COSTS.curves, S35_COSTS.stretch,
-                 {1: 58.7, 2: 41.3}, {1: 41.8, 2: 32.6})
+    assert chooser.choose(0.0, TP_ALWAYS, LIGHT, 0, 0, LOOSE, switch).layout.name == "1xTP2"
+    live = _live({1: 58.7, 2: 41.3}, {1: 41.8, 2: 32.6})
     chooser = LayoutChooser(2, (2,), 10.0, 0.10, 16384)
-    got = chooser.choose(0.0, live, S35_TRAFFIC, 0, 0, slo, switch)
+    got = chooser.choose(0.0, live, LIGHT, 0, 0, LOOSE, switch)
     assert got.layout.name == "2xDP", got.reason
 
     policy = Policy(PolicyConfig().validate(),
                     Node(num_engines=2, degrees=(2,), engine_capacity=16384))
     loads = [EngineLoad(0, 0, 0), EngineLoad(1, 0, 0)]
-    assert policy.decide(Request(100, 32, priority=1), loads, S35_COSTS).mode == "tp"
+    assert policy.decide(Request(100, 32, priority=1), loads, TP_ALWAYS).mode == "tp"
     refused = policy.decide(Request(100, 32, priority=1), loads, live)
     assert refused.mode == "dp" and "while serving" in refused.reason, refused.reason
+
+
+def test_at_the_logged_costs_of_a_latency_switch_that_streamed_slower_dp_is_kept():
+    """The hidden-1024 node took TP-2 for latency at S35_COSTS (cpu-three-peak, session
+    35) and its group streamed slower than one engine; a request decodes beside the
+    others there, neither layout within the TPOT SLO at the rate, and DP is kept on
+    the calibrated steps alone."""
+    chooser = LayoutChooser(2, (2,), 10.0, 0.10, 16384)
+    got = chooser.choose(0.0, S35_COSTS, S35_TRAFFIC, 0, 0, Slo(3264.5, 49.49),
+                         SwitchCosts(3.716, 68.2))
+    assert got.layout.name == "2xDP", got.reason
 
 
 #: the decision the hidden-1024 node logged as the second burst of cpu-three-peak began
@@ -133,16 +154,21 @@ S36F_TRAFFIC = Traffic(now=1298.79, rate_short=2.0, rate_long=1.4667, prompt=105
 
 @pytest.mark.parametrize("dp_low, want", [(None, "1xTP2"), (58.6562, "1xTP2"),
                                           (41.8, "2xDP")])
-def test_a_logged_latency_switch_is_refused_at_dps_quietest_live_steps(dp_low, want):
-    """As logged (no lowest live mean: the calibrated steps alone, 25 % faster) the node
-    took TP-2 for latency; the group then held through two bursts ("gains less than its
-    switch") and the run's goodput was 0.70x the better static layout. Against DP's
-    live steps as they ran then (stretched to 58.7 ms) the group still looks faster;
-    against their quietest (41.8 ms) it does not, and the node stays DP."""
+def test_a_latency_switch_is_refused_at_dps_quietest_live_steps(dp_low, want):
+    """The hidden-1024 node (cpu-three-peak, session 36, run f) took TP-2 for latency on
+    the calibrated steps alone, the group 25 % faster; it then held through two bursts
+    ("gains less than its switch") and the run's goodput was 0.70x the better static
+    layout. Its group's live steps were 41.3 ms: against DP's live steps as they ran
+    then (stretched to 58.7 ms) the group still looks faster; against their quietest
+    (41.8 ms) it does not, and the node stays DP. (At that run's logged costs,
+    S36F_COSTS, a request decodes beside the others and DP is kept at any of them.)"""
     low = {1: dp_low} if dp_low else {}
-    costs = Costs(S36F_COSTS.decode_ms, S36F_COSTS.curves, S36F_COSTS.stretch,
-                  S36F_COSTS.live_ms, low)
     chooser = LayoutChooser(2, (2,), 10.0, 0.10, 16384)
-    got = chooser.choose(0.0, costs, S36F_TRAFFIC, 3, 0, Slo(2990.4, 57.26),
+    got = chooser.choose(0.0, _live({1: 58.6562, 2: 41.293}, low), LIGHT, 0, 0, LOOSE,
                          SwitchCosts(3.183, 224.6))
     assert got.layout.name == want, got.reason
+    logged = Costs(S36F_COSTS.decode_ms, S36F_COSTS.curves, S36F_COSTS.stretch,
+                   S36F_COSTS.live_ms, low)
+    got = LayoutChooser(2, (2,), 10.0, 0.10, 16384).choose(
+        0.0, logged, S36F_TRAFFIC, 3, 0, Slo(2990.4, 57.26), SwitchCosts(3.183, 224.6))
+    assert got.layout.name == "2xDP", got.reason

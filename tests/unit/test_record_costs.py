@@ -78,15 +78,19 @@ def test_the_measured_run_is_reproduced_with_each_servers_own_steps():
     model, static DP, SGLang's --tp-size 2, Flying adaptive), each system at the steps
     its own records show: every latency figure (TTFT p50/p90, TPOT p50) within 20 %;
     goodput within 30 % (static TP's is +29 %: a request meets the TPOT SLO only when
-    served nearly alone, so the figure turns on a few requests; docs/BENCHMARKS.md)."""
-    header, notes, rows = compare_run(MEASURED, steps="records")
+    served nearly alone, so the figure turns on a few requests; docs/BENCHMARKS.md).
+    Flying placed every request of that run in DP (its decision log); the adaptive
+    policy has changed since (session 73: a request decodes beside the others, and at
+    these costs TP-2 is predicted to serve more within SLO), so its arm is simulated
+    in the layout the run took."""
+    header, notes, rows = compare_run(MEASURED, steps="records", flying_as="static-dp")
     assert len(rows) == 12 and len(notes) == 3, (header, notes)
     for system, _, metric, sim, meas, err in rows:
         assert sim is not None and meas and err is not None, (system, metric)
         bound = 0.30 if metric.startswith("goodput") else 0.20
         assert abs(err) <= bound, (system, metric, sim, meas)
     # at the profile's quiet steps (the default) the same run is off by more
-    _, _, quiet = compare_run(MEASURED)
+    _, _, quiet = compare_run(MEASURED, flying_as="static-dp")
     worst = max(abs(r[5]) for r in quiet if not r[2].startswith("goodput"))
     assert worst > 0.20
 

@@ -45,6 +45,8 @@ S56_SERVING = Costs.from_json({
                                  [342.0, 335.5451]]}}})
 S56_TRAFFIC = Traffic(now=77492.2, rate_short=0.6667, rate_long=0.6306, prompt=190.0,
                       output=58.67, n_short=2, n_long=6, window_s=3.0)
+#: the same requests at a light load, where the quiet points put the layouts level
+S56_LIGHT = replace(S56_TRAFFIC, rate_short=0.3, rate_long=0.3)
 SLO = Slo(ttft_ms=2042.9, tpot_ms=33.64)
 DP, TP = Layout((1, 1)), Layout((2,))
 
@@ -87,27 +89,30 @@ def _chooser(current: Layout) -> LayoutChooser:
 @pytest.mark.parametrize("stretch, want", [(None, "1xTP2"), (1.25, "1xTP2"),
                                            (1.5, "2xDP"), (1.7, "2xDP")])
 def test_a_group_streaming_slower_than_dp_is_left(stretch, want):
-    """At its quiet points the group is the best layout (goodput 0.63 vs 0.61 req/s,
-    TPOT 17 vs 25 ms); stretched as it streamed (1.5x the curve: 26 ms at batch 1-2
-    where the curve reads 17) its requests stream slower than DP's would, for no
-    goodput gain, and the node goes back to DP once that has held for ``SLOW_FOR_S``
-    (at its first sight the group is kept). Within 5 % it keeps the group."""
+    """At 0.3 req/s both layouts serve every request within SLO at their quiet points
+    (the group's TPOT 20 ms, DP's 26); stretched as it streamed (1.5x the curve) the
+    group's requests stream slower than DP's would, for no goodput gain, and the node
+    goes back to DP once that has held for ``SLOW_FOR_S`` (at its first sight the
+    group is kept). Within 5 % it keeps the group. (At the logged 0.63 req/s a request
+    decodes beside the others, and the quiet points put the group ahead on goodput,
+    0.59 vs 0.48 req/s within SLO: the quiet check keeps it, as in the bursts of
+    session 57.)"""
     costs = Costs(S56_SERVING.decode_ms, S56_SERVING.curves,
                   {2: stretch} if stretch else {}, S56_SERVING.live_ms,
                   S56_SERVING.live_low_ms)
     chooser = _chooser(TP)
-    first = chooser.choose(S56_TRAFFIC.now, costs, S56_TRAFFIC, 2, 0, SLO,
+    first = chooser.choose(S56_LIGHT.now, costs, S56_LIGHT, 2, 0, SLO,
                            SwitchCosts(0.95, 10.0))
     assert first.layout == TP, first.reason
-    later = replace(S56_TRAFFIC, now=S56_TRAFFIC.now + SLOW_FOR_S)
+    later = replace(S56_LIGHT, now=S56_LIGHT.now + SLOW_FOR_S)
     choice = chooser.choose(later.now, costs, later, 2, 0, SLO, SwitchCosts(0.95, 10.0))
     assert choice.layout.name == want
     if want == "2xDP":
         assert "stream slower" in choice.reason
     # within its dwell the group is kept
     chooser = _chooser(TP)
-    chooser.since = S56_TRAFFIC.now
-    assert chooser.choose(S56_TRAFFIC.now, costs, S56_TRAFFIC, 2, 0, SLO,
+    chooser.since = S56_LIGHT.now
+    assert chooser.choose(S56_LIGHT.now, costs, S56_LIGHT, 2, 0, SLO,
                           SwitchCosts(0.95, 10.0)).layout == TP
 
 
@@ -204,10 +209,10 @@ def test_one_slow_evaluation_does_not_leave_a_group():
 
     chooser = _chooser(TP)
     for dt, stretch in ((0.0, 1.5), (2.0, 1.0), (SLOW_FOR_S + 0.5, 1.5)):
-        at = replace(S56_TRAFFIC, now=S56_TRAFFIC.now + dt)
+        at = replace(S56_LIGHT, now=S56_LIGHT.now + dt)
         got = chooser.choose(at.now, costs(stretch), at, 2, 0, SLO, SwitchCosts(0.95, 10.0))
         assert got.layout == TP, (dt, got.reason)
-    at = replace(S56_TRAFFIC, now=S56_TRAFFIC.now + 2 * SLOW_FOR_S + 0.5)
+    at = replace(S56_LIGHT, now=S56_LIGHT.now + 2 * SLOW_FOR_S + 0.5)
     got = chooser.choose(at.now, costs(1.5), at, 2, 0, SLO, SwitchCosts(0.95, 10.0))
     assert got.layout == DP and "stream slower" in got.reason
 
@@ -218,10 +223,10 @@ def test_a_slow_sight_before_the_layout_was_taken_again_does_not_count():
     costs = Costs(S56_SERVING.decode_ms, S56_SERVING.curves, {2: 1.5},
                   S56_SERVING.live_ms, S56_SERVING.live_low_ms)
     chooser = _chooser(TP)
-    assert chooser.choose(S56_TRAFFIC.now, costs, S56_TRAFFIC, 2, 0, SLO,
+    assert chooser.choose(S56_LIGHT.now, costs, S56_LIGHT, 2, 0, SLO,
                           SwitchCosts(0.95, 10.0)).layout == TP
-    chooser.since = S56_TRAFFIC.now + 1.0  # taken again 1 s later, no evaluation since
-    at = replace(S56_TRAFFIC, now=chooser.since + DWELL_S + 0.5)
+    chooser.since = S56_LIGHT.now + 1.0  # taken again 1 s later, no evaluation since
+    at = replace(S56_LIGHT, now=chooser.since + DWELL_S + 0.5)
     assert chooser.choose(at.now, costs, at, 2, 0, SLO, SwitchCosts(0.95, 10.0)).layout == TP
     at = replace(at, now=at.now + SLOW_FOR_S)
     got = chooser.choose(at.now, costs, at, 2, 0, SLO, SwitchCosts(0.95, 10.0))

@@ -210,9 +210,12 @@ def validate(run_dir: Path, decision_log: str | None = None, kv_heads: int = 0,
 def compare_run(run_dir: Path, decision_log: str | None = None, kv_heads: int = 0,
                 frontend_ms: float = CPU_FRONTEND_MS, overlap: bool = True,
                 stretch: str = "none", curves: str = "end",
-                steps: str = "profile") -> tuple[str, list[str], list[Row]]:
+                steps: str = "profile", flying_as: str | None = None,
+                ) -> tuple[str, list[str], list[Row]]:
     """(header, notes, rows): each system simulated on the run's trace; a row is
-    (system, simulated as, metric, simulated, measured, relative error)."""
+    (system, simulated as, metric, simulated, measured, relative error). ``flying_as``:
+    a policy to simulate Flying's arm under instead of its own (the layouts a run
+    took, where the adaptive policy has changed since)."""
     context_file = run_dir / "context.json"
     context = json.loads(context_file.read_text()) if context_file.is_file() else {}
     slos = scoring_slos(run_dir, context)
@@ -242,6 +245,8 @@ def compare_run(run_dir: Path, decision_log: str | None = None, kv_heads: int = 
             continue
         records = load_records(records_file)
         name, cfg = settings(system, engines, head)
+        if system == "flying" and flying_as:
+            name = flying_as
         if not held_admissions(run_dir):
             cfg = replace(cfg, hold_steps=0)  # a node before the hold
         own = profile
