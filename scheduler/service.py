@@ -202,10 +202,9 @@ def _batch(costs: Costs, degree: int, lam: float, out: float, free: float, cap: 
     b = 1.0
     for _ in range(ITERATIONS):
         nxt = min(cap, 1.0 + _others(costs, degree, lam, out, free, b))
-        if abs(nxt - b) < 1e-3:
-            b = nxt
+        settled, b = abs(nxt - b) < 1e-3, nxt
+        if settled:
             break
-        b = nxt
     if b >= cap and _others(costs, degree, lam, out, free, cap) > cap:
         return None
     return b
