@@ -51,7 +51,7 @@ def curves(dp: tuple[float, float], tp: tuple[float, float], pre: tuple[float, f
 
 #: a group faster at every batch size (h1024-like: compute halves, some collective cost)
 TP_ALWAYS = curves(dp=(38.0, 2.0), tp=(24.0, 1.0), pre=(5.0, 0.6))
-#: a group faster alone, worse under load (its step grows 4x faster with the batch)
+#: a group faster alone, worse under load (its step grows 2.5x faster with the batch)
 TP_LIGHT = curves(dp=(38.0, 1.0), tp=(26.0, 2.5), pre=(5.0, 0.6))
 #: a group slower than one engine (the demo model on a CPU)
 TP_SLOW = curves(dp=(5.0, 0.2), tp=(6.0, 0.2), pre=(1.0, 0.05))
