@@ -13,7 +13,9 @@ keeps or changes its layout:
   SLO the switch's time takes (``switch_cost``); a latency gain likewise, in
   request-milliseconds. A switch between two layouts with groups also waits for the
   old groups to finish their requests (running requests move only to DP): about one
-  output at the current TPOT, charged where anything runs. A switch from DP to groups
+  output at the current TPOT, charged where anything runs. A switch that forms groups
+  on engines running DP waits while requests are queued (``_waits_for_queue``: such a
+  group hands its requests to DP at once). A switch from DP to groups
   while DP requests run takes them into the new groups with their KV (``joins``, up to
   ``MAX_JOIN`` a group: the switch's relayout cost); those it leaves beside the groups
   (``beside``) put some of themselves and of the groups' first requests past the TPOT
@@ -196,6 +198,8 @@ class LayoutChooser(LayoutRanking):
             return Choice(self.current, f"goodput: {cur.layout} predicted best {where}", briefs)
         if self._dwells(now, cur, new):
             return Choice(self.current, f"goodput: keep {cur.layout} (dwell)", briefs)
+        if self._waits_for_queue(best, queued):
+            return Choice(self.current, self._queue_reason(cur, best, queued), briefs)
         cost_ms, delayed, lost, _ = self._charge(best, cur, new, running, traffic, output,
                                                  slo, switch)
         gain = new.goodput - cur.goodput
@@ -273,6 +277,31 @@ class LayoutChooser(LayoutRanking):
         whose prefills pause every running request, too: on a checkpoint of hidden
         512 at 3 req/s its ITL p95 was 0.89-1.58x groups off (docs/BENCHMARKS.md)."""
         return cur.e2e_ms(output) - new.e2e_ms(output) * (1 + self.latency_gain)
+
+    def _waits_for_queue(self, best: Layout, queued: float) -> bool:
+        """Whether a switch to ``best`` waits for the node's queue to drain: it forms
+        groups on engines that run DP now while ``queued`` requests wait for room. A
+        group whose members' DP requests wait hands its requests to DP at its next
+        step (``flying.session.lifecycle``: DP work is never kept waiting for a group)
+        and nothing joins it (``flying.session.join``), so each arrival routed to it
+        would be bound, stepped once and moved: groups formed over a backlog serve
+        nothing as groups until it has drained, and their moves slow the backlog.
+        (Measured, hidden-768 model, cpu-burst, session 73: the node took TP-2 for
+        the lull's goodput as a burst ended with 47 requests queued or running on the
+        DP engines, moved 58 requests back to DP and went back to DP at the next burst:
+        goodput 0.64x the better static layout, throughput 0.85.) The queue is the
+        node's (a mixed layout's groups' waiting requests count too: a wait, never a
+        wrong switch)."""
+        if queued <= 0:
+            return False
+        old = self.current.group_ranks()
+        grouped = {r for g in old for r in g}
+        return any(not grouped.intersection(g) for g in best.group_ranks() - old)
+
+    @staticmethod
+    def _queue_reason(cur: Prediction, best: Layout, queued: float) -> str:
+        return (f"goodput: keep {cur.layout} ({best.name} waits for the {queued:.0f} "
+                "queued requests)")
 
     def _dwells(self, now: float, cur: Prediction, new: Prediction) -> bool:
         """The current layout is held: taken under ``DWELL_S`` ago, and the other does
@@ -352,6 +381,8 @@ class LayoutChooser(LayoutRanking):
             return Choice(self.current, f"goodput: {cur.layout} predicted best", briefs)
         if self._dwells(now, cur, new):
             return Choice(self.current, f"goodput: keep {cur.layout} (dwell)", briefs)
+        if self._waits_for_queue(best, queued):
+            return Choice(self.current, self._queue_reason(cur, best, queued), briefs)
         regroup = bool(self.current.groups and best.groups)
         cost_ms, delayed, lost, left = self._charge(best, cur, new, running, traffic, output,
                                                     slo, switch)

@@ -19,6 +19,7 @@ from scheduler.interleave import interleave_lost
 from scheduler.layout_choice import (
     DWELL_S,
     GOODPUT_TIE,
+    Choice,
     LayoutChooser,
     SwitchCosts,
 )
@@ -560,7 +561,7 @@ def test_goodput_decisions_replay_from_the_log():
         t += rng.expovariate(rate)
         arrivals.note(t, 128, 64)
         traffic = arrivals.traffic(t)
-        loads = [EngineLoad(0, int(rate), 0), EngineLoad(1, int(rate), 1)]
+        loads = [EngineLoad(0, int(rate), 0), EngineLoad(1, int(rate), int(rate > 1))]
         decision = policy.decide(Request(128, 64), loads, TP_LIGHT, traffic, SwitchCosts())
         lines.append(record(Request(128, 64), loads, decision, TP_LIGHT, traffic,
                             SwitchCosts(), policy.slo))
@@ -690,6 +691,29 @@ def test_dp_requests_a_group_takes_in_do_not_count_against_switching_to_it():
     assert [chooser.beside(lay, 30) for lay in (DP8, TP8, TP4, TP2)] == [30, 22, 14, 0]
     assert chooser.beside(TP2, 40) == 8
     assert LayoutChooser(8, (2,), 10.0, 0.1, 1e6).beside(TP2, 40) == 40
+
+
+def test_a_switch_into_groups_waits_for_the_dp_queue_to_drain():
+    """A group whose members' DP requests wait hands its requests to DP at its next
+    step, so groups formed over a queue serve nothing as groups: a goodput gain into
+    groups on DP engines waits until nothing is queued; from a layout with groups a
+    switch back to DP, or one that keeps its groups' engines grouped, does not."""
+    preds = {DP8: _pred(DP8, 0.0, tpot=63.0), TP8: _pred(TP8, 0.5, tpot=42.0),
+             TP2: _pred(TP2, 0.6, tpot=42.0)}
+    traffic = Traffic(0.0, 0.7, 0.7, 100.0, 100.0, 10, 10)
+
+    def choose(current: Layout, best: Layout, queued: int) -> Choice:
+        chooser = _chooser(current, preds, best)
+        return chooser._choose(0.0, TP_ALWAYS, traffic, 0, queued, Slo(5000.0, 51.0),
+                               SwitchCosts(2.0, 0.4))
+
+    held = choose(DP8, TP8, queued=39)
+    assert held.layout == DP8 and "waits for the 39 queued" in held.reason
+    assert choose(DP8, TP8, queued=0).layout == TP8
+    # leaving groups for DP, and regrouping engines already grouped, do not wait
+    preds[DP8] = _pred(DP8, 0.9, tpot=30.0)
+    assert choose(TP8, DP8, queued=39).layout == DP8
+    assert choose(TP8, TP2, queued=39).layout == TP2
 
 
 def test_a_goodput_gain_takes_the_layout_that_leaves_no_dp_request_beside_its_groups():
