@@ -28,7 +28,9 @@ def _past(tpot: float, slo: float) -> float:
 def interleave_lost(cur: Prediction, new: Prediction, running: int, rate: float,
                     output: float, slo: Slo) -> float:
     """Requests expected to miss the TPOT SLO because a switch from DP to groups is
-    taken while DP requests run on the members, that would have met it undisturbed.
+    taken while DP requests run on the members, that would have met it undisturbed:
+    the running DP requests against DP alone, the group's arrivals against the group
+    alone (its predicted goodput, which the switch's gain counts).
 
     Until those finish, each member runs one DP step between group steps, so both kinds
     of request stream at ``cur.tpot + new.tpot`` for ``D = output / 2 x (cur.tpot +
@@ -38,9 +40,13 @@ def interleave_lost(cur: Prediction, new: Prediction, running: int, rate: float,
     ``L = output x new`` slowed, averaging ``new + cur x min(1, (D - u) / L)``. Each
     counts by how much more likely it is to miss the SLO than at its undisturbed TPOT
     (``_past``: a mean within ``TPOT_EDGE`` of the SLO misses in part), summed over
-    ``r`` uniform in the output and ``u`` over the drain; the arrivals count as far as
-    DP would have served them within the SLO (where DP misses it already, switching
-    loses them nothing). (Measured-kernel GPU profiles:
+    ``r`` uniform in the output and ``u`` over the drain. The arrivals count as far as
+    the group would have served them within the SLO (``new.goodput``, at most the
+    ``rate``): the gain the switch is weighed by counts those, and one slowed past the
+    SLO during the drain is not served within it, whether or not DP would have served
+    it; only the running requests DP misses already lose nothing. (Counting the
+    arrivals as far as DP would have met the SLO charged a switch from a DP past it
+    nothing for them, however long the drain.) (Measured-kernel GPU profiles:
     a DP step of one or two requests costs almost a full step, so interleaving doubles
     the group's cadence: simulated on Llama-3-8B, 8 x H100, the switch at a burst's
     start put 282 requests past the SLO. And a cadence just under the SLO is not safe:
@@ -53,18 +59,20 @@ def interleave_lost(cur: Prediction, new: Prediction, running: int, rate: float,
         return 0.0
     tpot = slo.tpot_ms
     mids = [(i + 0.5) / _POINTS for i in range(_POINTS)]
-    past_dp = base = _past(cur.tpot_ms, tpot)
+    base = _past(cur.tpot_ms, tpot)
     lost_running = sum(max(0.0, _past(cur.tpot_ms + new.tpot_ms * f, tpot) - base)
                        for f in mids) / _POINTS
     drain_ms = output / 2 * both
     life_ms = output * new.tpot_ms
     base = _past(new.tpot_ms, tpot)
+    if base >= 1.0:  # the group's arrivals miss the SLO undisturbed: none to lose
+        return running * lost_running
     lost_arriving = sum(
         max(0.0, _past(new.tpot_ms + cur.tpot_ms * min(1.0, (1.0 - f) * drain_ms / life_ms),
                        tpot) - base)
-        for f in mids) / _POINTS
-    return running * lost_running + \
-        rate * drain_ms / 1000.0 * lost_arriving * (1.0 - past_dp)
+        for f in mids) / _POINTS / (1.0 - base)
+    served = min(rate, new.goodput)  # the arrivals the gain counts, per second
+    return running * lost_running + served * drain_ms / 1000.0 * lost_arriving
 
 
 def interleave_ms(cur: Prediction, new: Prediction, running: int, rate: float,

@@ -806,8 +806,11 @@ def test_interleave_lost_counts_the_running_and_the_arrivals_past_the_slo(monkey
     # puts some past it (8B, 8 H100s, steady 10 req/s: 112 misses where none was counted)
     assert interleave_lost(cur, new, 40, 10.0, 300.0, Slo(220.0, 12.7)) > 1.0
     assert interleave_lost(cur, new, 40, 10.0, 300.0, Slo(220.0, 14.1)) == 0.0
-    # DP past the SLO: its requests and the arrivals it would not have served count none
-    assert interleave_lost(_pred(DP8, 10.0, tpot=13.0), new, 40, 10.0, 300.0, slo) == 0.0
+    # DP past the SLO: its running requests count none (they miss it anyway); the
+    # group's arrivals slowed past it during the drain count (the gain counted them in)
+    past = _pred(DP8, 10.0, tpot=13.0)
+    assert interleave_lost(past, new, 40, 0.0, 300.0, slo) == 0.0
+    assert interleave_lost(past, new, 40, 10.0, 300.0, slo) > 10.0
 
 
 def test_stretch_scales_each_mode_a_group_at_least_as_one_engine():
