@@ -293,11 +293,16 @@ class LayoutChooser(LayoutRanking):
         74, it held DP there in all four rounds, 32-50 requests queued, pooled 1.14x and
         1.38x.) The queue is the node's (a mixed layout's groups' waiting requests count
         too: a wait, never a wrong switch)."""
-        if queued <= 0:
-            return False
+        return queued > 0 and bool(self._formed(best)[1])
+
+    def _formed(self, best: Layout) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+        """The groups a switch to ``best`` forms (a group both layouts have is kept as
+        it is): those on engines grouped now, and those on engines running DP now."""
         old = self.current.group_ranks()
         grouped = {r for g in old for r in g}
-        return any(not grouped.intersection(g) for g in best.group_ranks() - old)
+        formed = best.group_ranks() - old
+        regrouped = [g for g in formed if grouped.intersection(g)]
+        return regrouped, [g for g in formed if not grouped.intersection(g)]
 
     @staticmethod
     def _queue_reason(cur: Prediction, best: Layout, queued: float) -> str:
@@ -323,10 +328,8 @@ class LayoutChooser(LayoutRanking):
         requests it delays, those its interleaving puts past the TPOT SLO, and the
         running DP requests it leaves beside its groups (the rest join them)."""
         cost_ms = switch.of(running * ((traffic.prompt or 128.0) + output / 2))
-        old = self.current.group_ranks()
-        grouped = {r for g in old for r in g}
-        formed = best.group_ranks() - old  # a group both layouts have is kept as it is
-        if any(grouped.intersection(g) for g in formed) and running and not cur.saturated:
+        regrouped, on_dp_groups = self._formed(best)
+        if regrouped and running and not cur.saturated:
             # Running requests move only to DP: the new groups' binds wait until the
             # old groups have finished theirs (the longest, about a whole output).
             # (Saturated: staying costs more.)
@@ -336,7 +339,7 @@ class LayoutChooser(LayoutRanking):
         # during it.
         delayed = (0 if cur.saturated else running) + traffic.rate * cost_ms / 1000.0
         # groups formed on engines that run DP now meet those engines' running requests
-        on_dp = sum(1 for g in formed if not grouped.intersection(g))
+        on_dp = len(on_dp_groups)
         left = self.beside(best, running, on_dp)
         lost = 0.0 if not on_dp or cur.saturated else \
             interleave_lost(cur, new, left, traffic.rate, output, slo)
