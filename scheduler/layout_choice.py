@@ -8,10 +8,10 @@ keeps or changes its layout:
   goodput, latency among equals under its rules, only layouts within reach);
 - it switches only when the gain over the expected phase outlasts the switch (its
   price: ``scheduler.switch_charge``): a goodput gain ``dG`` (req/s) over
-  ``horizon_s`` seconds must exceed the requests the switch delays (those running, unless the current layout is saturated and they miss
-  their SLOs anyway, and those arriving during it) weighted by the share of the TTFT
-  SLO the switch's time takes (``SwitchCosts``); a latency gain likewise, in
-  request-milliseconds. A switch between two layouts with groups also waits for the
+  ``horizon_s`` seconds must exceed the requests the switch delays (those running,
+  unless the current layout is saturated and they miss their SLOs anyway, and those
+  arriving during it) weighted by the share of the TTFT SLO the switch's time takes
+  (``SwitchCosts``); a latency gain likewise, in request-milliseconds. A switch between two layouts with groups also waits for the
   old groups to finish their requests (running requests move only to DP): about one
   output at the current TPOT, charged where anything runs. A switch that forms groups
   on engines running DP waits while requests are queued (``_waits_for_queue``: such a
