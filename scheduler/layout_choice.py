@@ -11,17 +11,18 @@ keeps or changes its layout:
   ``horizon_s`` seconds must exceed the requests the switch delays (those running,
   unless the current layout is saturated and they miss their SLOs anyway, and those
   arriving during it) weighted by the share of the TTFT SLO the switch's time takes
-  (``SwitchCosts``); a latency gain likewise, in request-milliseconds. A switch between two layouts with groups also waits for the
-  old groups to finish their requests (running requests move only to DP): about one
-  output at the current TPOT, charged where anything runs. A switch that forms groups
-  on engines running DP waits while requests are queued (``_waits_for_queue``: such a
-  group hands its requests to DP at once). A switch from DP to groups
-  while DP requests run takes them into the new groups with their KV (``joins``, up to
-  ``MAX_JOIN`` a group: the switch's relayout cost); those it leaves beside the groups
-  (``beside``) put some of themselves and of the groups' first requests past the TPOT
-  SLO (``interleave_lost``): a goodput gain must repay them (and among the layouts that
-  gain goodput, each is charged its own: ``_net_of_interleave``), a latency gain may not
-  cost one and must repay the latency the interleaving adds (``interleave_ms``);
+  (``SwitchCosts``); a latency gain likewise, in request-milliseconds. A switch
+  between two layouts with groups also waits for the old groups to finish their
+  requests (running requests move only to DP): about one output at the current TPOT,
+  charged where anything runs. A switch that forms groups on engines running DP waits
+  while requests are queued (``_waits_for_queue``: such a group hands its requests to
+  DP at once). A switch from DP to groups while DP requests run takes them into the
+  new groups with their KV (``joins``, up to ``MAX_JOIN`` a group: the switch's
+  relayout cost); those it leaves beside the groups (``beside``) put some of
+  themselves and of the groups' first requests past the TPOT SLO
+  (``interleave_lost``): a goodput gain must repay them (and among the layouts that
+  gain goodput, each is charged its own: ``_net_of_interleave``), a latency gain may
+  not cost one and must repay the latency the interleaving adds (``interleave_ms``);
 - where no layout serves anything within SLO at the rate read (past saturation, or a
   phase's first arrivals reading it high), the layouts are compared at the first edge
   of the rate's band below it, half a standard error to three, where one does
