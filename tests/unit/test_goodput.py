@@ -849,6 +849,17 @@ def test_a_goodput_switch_must_also_pay_at_the_costs_the_steps_run_at_now():
     assert got.layout == dp and "run at now" in got.reason, got.reason
     # the quiet predictions (and the capacities the latency rule reads) are unchanged
     assert chooser.predict_all(stretched, traffic, 0, slo) == preds
+    # the log records both: the quiet prediction, and at the stretched costs the
+    # same model's (lower) one; nothing stretched, only the first
+    quiet_goodput = {lay.name: p.goodput for lay, p in preds.items()}
+    for name, brief in got.predictions.items():
+        assert brief["goodput"] == pytest.approx(quiet_goodput[name], abs=1e-3)
+        assert brief["loaded"]["goodput"] <= brief["goodput"]
+        assert brief["loaded"]["tpot_ms"] > brief["tpot_ms"]
+    assert got.predictions["1xTP2"]["loaded"]["goodput"] < got.predictions["1xTP2"]["goodput"]
+    plain = LayoutChooser(2, (2,), 10.0, 0.10, 4096).choose(0.0, TP_ALWAYS, traffic, 0, 0,
+                                                             slo, SwitchCosts())
+    assert all("loaded" not in brief for brief in plain.predictions.values())
 
 
 #: the hidden-1024 model's costs as a node logged them (session 34, 0.6 req/s run)

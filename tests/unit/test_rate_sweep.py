@@ -53,6 +53,32 @@ def test_goodput_per_rate_with_one_set_of_slos_and_the_prediction_error(tmp_path
     assert (tmp_path / "g.png").stat().st_size > 0
 
 
+def test_the_prediction_at_the_running_costs_where_the_log_has_it(tmp_path, capsys):
+    """A log that records each layout's ``loaded`` prediction (the model at the costs
+    the steps ran at) reports its mean and error beside the quiet one's; a layout
+    without it (nothing stretched) counts its quiet prediction; an older log shows
+    "-"."""
+    fast = {"static-dp": 0.1, "static-tp": 0.1, "flying": 0.1}
+    old = _run_dir(tmp_path, 1.0, fast)
+    new = _run_dir(tmp_path, 2.0, fast)
+    log = new / "flying" / "decisions.jsonl"
+    head, *lines = log.read_text().splitlines()
+    docs = [json.loads(x) for x in lines]
+    docs[0]["predictions"]["2xDP"]["loaded"] = {"goodput": 0.25, "tpot_ms": 30.0}
+    log.write_text("\n".join([head, *(json.dumps(d) for d in docs)]) + "\n")
+    runs, _ = sweep([old, new], None)
+    assert runs[0]["model"]["loaded"] is None and runs[0]["model"]["loaded_error"] is None
+    got = runs[1]["model"]
+    assert got["predicted"] == pytest.approx(0.5)
+    assert got["loaded"] == pytest.approx((0.25 + 0.5) / 2)  # the second line: not stretched
+    assert got["loaded_error"] == pytest.approx((got["loaded"] - got["measured"]) / got["measured"])
+    main([str(old), str(new)])
+    rows = [x for x in capsys.readouterr().out.splitlines() if x.startswith("| 1.00 | 150")
+            or x.startswith("| 2.00 | 150")]
+    assert rows[0].split(" | ")[4:6] == ["-", "-"]
+    assert rows[1].split(" | ")[4] == "0.38"
+
+
 def test_a_run_still_going_is_left_out_and_named(tmp_path, capsys):
     """The sweep reads the complete directories only and names the other on stderr;
     none complete: a one-line error, not a traceback."""

@@ -49,7 +49,7 @@ def predicted_vs_measured(out: Path, records: list[RequestRecord]) -> dict | Non
     path = out / "flying" / "decisions.jsonl"
     if not path.exists():
         return None
-    predicted, slo = [], None
+    predicted, loaded, logged_loaded, slo = [], [], False, None
     for line in path.read_text().splitlines()[1:]:
         ev = json.loads(line)
         preds, decision = ev.get("predictions"), ev.get("decision")
@@ -61,13 +61,21 @@ def predicted_vs_measured(out: Path, records: list[RequestRecord]) -> dict | Non
         fits = [n for n in preds if (tag in n if tag else "TP" not in n or "DP" in n)]
         if fits:
             predicted.append(max(preds[n]["goodput"] for n in fits))
+            # at the costs the steps ran at (absent: nothing stretched, the same)
+            loaded.append(max(preds[n].get("loaded", preds[n])["goodput"] for n in fits))
+            logged_loaded |= any("loaded" in preds[n] for n in fits)
         slo = ev.get("slo") or slo
     if not predicted or not slo:
         return None
     measured = goodput(records, slo["ttft_ms"], slo["tpot_ms"]) or 0.0
     mean = sum(predicted) / len(predicted)
-    return {"slo": slo, "predicted": mean, "measured": measured,
-            "error": (mean - measured) / measured if measured else None}
+    out = {"slo": slo, "predicted": mean, "measured": measured,
+           "error": (mean - measured) / measured if measured else None,
+           "loaded": None, "loaded_error": None}
+    if logged_loaded:  # logs from before the policy recorded it have none
+        out["loaded"] = sum(loaded) / len(loaded)
+        out["loaded_error"] = (out["loaded"] - measured) / measured if measured else None
+    return out
 
 
 def sweep(dirs: Sequence[Path], slos: tuple[float, float] | None) -> tuple[list[dict], tuple]:
@@ -105,16 +113,25 @@ def render(runs: list[dict], slos: tuple[float, float]) -> str:
                    f"| {g['flying']:.2f} | {_fmt(ratio, 2)} | {_trio(run, 'ttft_p90')} "
                    f"| {_trio(run, 'tpot_p50')} | {_trio(run, 'tok_s')} |")
     out += ["", "The policy's prediction (Flying's run, the node's own SLOs):", "",
-            "| rate (req/s) | node SLOs (TTFT / TPOT ms) | predicted goodput | measured "
-            "| error |", "|---:|---|---:|---:|---:|"]
+            "| rate (req/s) | node SLOs (TTFT / TPOT ms) | predicted goodput | error "
+            "| at the steps' running costs | error | measured |",
+            "|---:|---|---:|---:|---:|---:|---:|"]
     for run in runs:
         m = run["model"]
         if m is None:
             continue
-        err = "-" if m["error"] is None else f"{100 * m['error']:+.0f} %"
         out.append(f"| {run['rate']:.2f} | {m['slo']['ttft_ms']:.0f} / {m['slo']['tpot_ms']:.1f} "
-                   f"| {m['predicted']:.2f} | {m['measured']:.2f} | {err} |")
+                   f"| {m['predicted']:.2f} | {_pct(m['error'])} | {_fmt(m['loaded'], 2)} "
+                   f"| {_pct(m['loaded_error'])} | {m['measured']:.2f} |")
+    out += ["", "Predicted goodput: the model at each mode's quiet step costs (its best); at "
+            "the steps' running costs: the same model with each mode's steps stretched as "
+            "they ran when it last served (`Costs.lately`; \"-\": a log from before the "
+            "policy recorded it)."]
     return "\n".join(out)
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:+.0f} %"
 
 
 def plot(runs: list[dict], path: Path) -> None:
