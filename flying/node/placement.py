@@ -146,11 +146,6 @@ def loads_of(snapshots) -> list[EngineLoad]:
 
 # -- request features that run in DP only ---------------------------------------------
 
-#: Constrained decoding: the grammar fields of SGLang's SamplingParams (OpenAI
-#: ``response_format`` and ``tool_choice`` become one of these). A group would need every
-#: member's grammar state and SGLang's grammar queue in lockstep; not built yet.
-CONSTRAINED_FIELDS = ("regex", "json_schema", "ebnf", "structural_tag")
-
 #: (request field, feature name): per-request options of SGLang 0.5.23's
 #: GenerateReqInput / TokenizedGenerateReqInput that a TP group does not run. Each is
 #: read with getattr, so the same list serves the HTTP process (GenerateReqInput) and the
@@ -182,7 +177,9 @@ DP_ONLY_FIELDS = (
     ("kv_hints", "kv_hints"),
 )
 
-#: Sampling options that run in DP only (besides constrained decoding).
+#: Sampling options that run in DP only. (Constrained decoding, SGLang's ``regex``,
+#: ``json_schema``, ``ebnf`` and ``structural_tag``, runs in groups: every member's copy
+#: gets its grammar at the same step, ``flying.session.grammar``.)
 DP_ONLY_SAMPLING = (
     ("beam_width", "beam search (beam_width)"),
     ("watermark", "watermark"),
@@ -230,9 +227,6 @@ def dp_only_feature(req) -> str:
 def _sampling_feature(params) -> str:
     if params is None:
         return ""
-    for name in CONSTRAINED_FIELDS:
-        if _present(_sampling_field(params, name)):
-            return f"constrained decoding ({name})"
     for name, feature in DP_ONLY_SAMPLING:
         value = _sampling_field(params, name)
         if name == "beam_width":

@@ -29,7 +29,7 @@ import dataclasses
 
 import torch
 
-from flying.session import report
+from flying.session import grammar, report
 from flying.substrate import kv_adaptor
 from flying.substrate.layout import KvSplit
 from flying.substrate.toggle import Toggle
@@ -288,6 +288,7 @@ class Scope:
         self.handed.add(req.rid)
         self.reasons.add(reason)
         scheduler.handle_generate_request(req)
+        grammar.settle(scheduler, req.rid)  # in every member's batch at the same step
         report.mark(scheduler, req.rid, self.prepared.degree)
 
     def grow(self, reservation) -> None:
@@ -362,6 +363,7 @@ def _session_values(scheduler, prepared: Prepared, capacity: int) -> list:
         (scheduler, "chunked_req", None),
         # DP requests waiting for their grammar: SGLang moves them into the waiting
         # queue when ready, which in a TP step would put them into one member's batch.
+        # The session's own stays empty at step boundaries (``grammar.settle``).
         (scheduler.grammar_manager, "grammar_queue", []),
         *[(h, "max_total_num_tokens", capacity) for h in prepared.size_holders],
         (scheduler, "max_req_len", capacity - 1),

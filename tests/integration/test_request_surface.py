@@ -1,8 +1,7 @@
 """The request surface over real HTTP: what a client of an OpenAI-compatible server sends.
 
 Requests without max_tokens, bad control inputs (400 with a reason, server alive),
-constrained decoding forced into a group (400 naming the feature) or asked for with
-priority (served in DP, ``meta_info.flying`` says why)."""
+streams in a group (constrained decoding: ``test_constrained``)."""
 
 from __future__ import annotations
 
@@ -134,36 +133,6 @@ def test_bad_header_on_a_stream_is_a_plain_400(dp2_server):
         headers={"X-Flying-TP": "banana"},
     )
     assert resp.status_code == 400 and "X-Flying-TP" in _error(resp)
-
-
-# -- constrained decoding ------------------------------------------------------------------
-
-
-def test_constrained_forced_into_a_group_is_400_naming_it(dp2_server):
-    payload = {"text": "x", "sampling_params": {"max_new_tokens": 4, "regex": "[ab]+"}}
-    resp = dp2_server.post("/generate", payload, headers=TP2)
-    assert resp.status_code == 400, resp.text
-    assert "constrained decoding (regex)" in _error(resp)
-    chat = {**CHAT, "max_tokens": 4, "response_format": {"type": "json_object"}}
-    resp = dp2_server.post("/v1/chat/completions", chat, headers=TP2)
-    assert resp.status_code == 400, resp.text
-    assert "constrained decoding (json_schema)" in _error(resp)
-    _alive(dp2_server)
-
-
-def test_constrained_priority_runs_in_dp_and_says_why(dp2_server):
-    before = _binds(dp2_server)
-    payload = {"text": "x", "sampling_params": {"max_new_tokens": 4, "regex": "[ab]+"}}
-    resp = dp2_server.post("/generate", payload, headers=HIGH)
-    assert resp.status_code == 200, resp.text
-    body = resp.json()
-    flying = body["meta_info"]["flying"]
-    assert flying["mode"] == "dp" and "constrained decoding (regex)" in flying["reason"], flying
-    assert set(body["text"]) <= {"a", "b"}, body["text"]
-    chat = {**CHAT, "max_tokens": 8, "response_format": {"type": "json_object"}}
-    resp = dp2_server.post("/v1/chat/completions", chat, headers=HIGH)
-    assert resp.status_code == 200, resp.text
-    assert _binds(dp2_server) == before, "constrained requests must not bind a group"
 
 
 def test_stream_in_a_group_reports_tp(dp2_server):

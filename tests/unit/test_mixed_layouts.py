@@ -98,22 +98,22 @@ def _mixed_controller(cfg, loads=(0, 0, 0, 0)) -> FakeController:
 
 
 def test_the_controller_routes_a_mixed_layouts_dp_requests_to_its_dp_engines(cfg):
-    """Requests that run in DP whatever the layout (constrained decoding here) go to the
+    """Requests that run in DP whatever the layout (LoRA adapters here) go to the
     DP engines in turn, never to the group's; a request naming its own engine keeps it."""
     ctl = _mixed_controller(cfg)
     ranks = []
     for _ in range(4):
-        req = _tok(regex="a+")
+        req = _tok(lora_path="adapter")
         assert flying_controller.binds_for(ctl, req) == []
         ranks.append(req.routed_dp_rank)
     assert ranks == [2, 3, 2, 3]
-    own = _tok(regex="a+")
+    own = _tok(lora_path="adapter")
     own.routed_dp_rank = 0
     flying_controller.binds_for(ctl, own)
     assert own.routed_dp_rank == 0
     # an engine marked down is skipped
     ctl.status[2] = False
-    req = _tok(regex="a+")
+    req = _tok(lora_path="adapter")
     flying_controller.binds_for(ctl, req)
     assert req.routed_dp_rank == 3
 
@@ -129,7 +129,7 @@ def test_the_controller_binds_a_mixed_layouts_requests_to_its_own_group(cfg):
 def test_under_a_uniform_layout_sglang_dispatches(cfg):
     ctl = _mixed_controller(cfg)
     flying_controller._policy(ctl).chooser.current = Layout((1, 1, 1, 1))
-    req = _tok(regex="a+")
+    req = _tok(lora_path="adapter")
     flying_controller.binds_for(ctl, req)
     assert getattr(req, "routed_dp_rank", None) is None
     flying_controller._policy(ctl).chooser.current = Layout((2, 2))

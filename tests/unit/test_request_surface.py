@@ -288,7 +288,7 @@ def test_none_is_placed_by_its_prompt_alone():
 
 def test_dp_only_feature_rules():
     p = _policy("static-dp")
-    feature = "constrained decoding (regex)"
+    feature = "LoRA adapters (lora_path)"
     d = p.decide(Request(10, 10, explicit_degree=2, dp_only=feature))
     assert d.mode == "reject" and feature in d.reason and "X-Flying-TP" in d.reason
     d = p.decide(Request(10, 10, priority=5, dp_only=feature))
@@ -314,11 +314,12 @@ def test_least_loaded_group():
     "params,expected",
     [
         ({"max_new_tokens": 4, "temperature": 0.7, "top_k": 2, "n": 2, "stop": ["x"]}, ""),
-        ({"regex": "a+"}, "constrained decoding (regex)"),
-        ({"json_schema": '{"type": "object"}'}, "constrained decoding (json_schema)"),
-        ({"ebnf": "root ::= 'a'"}, "constrained decoding (ebnf)"),
-        ({"structural_tag": "{}"}, "constrained decoding (structural_tag)"),
-        ({"regex": ""}, ""),  # SGLang: an empty grammar is "unset"
+        # constrained decoding runs in groups (``flying.session.grammar``)
+        ({"regex": "a+"}, ""),
+        ({"json_schema": '{"type": "object"}'}, ""),
+        ({"ebnf": "root ::= 'a'"}, ""),
+        ({"structural_tag": "{}"}, ""),
+        ({"regex": "a+", "beam_width": 2}, "beam search (beam_width)"),
         ({"beam_width": 4}, "beam search (beam_width)"),
         ({"beam_width": 1}, ""),
     ],
@@ -331,7 +332,9 @@ def test_sampling_features_on_sglang_sampling_params():
     from sglang.srt.sampling.sampling_params import SamplingParams
 
     req = SimpleNamespace(sampling_params=SamplingParams(json_schema='{"type":"object"}'))
-    assert placement.dp_only_feature(req) == "constrained decoding (json_schema)"
+    assert placement.dp_only_feature(req) == ""
+    req = SimpleNamespace(sampling_params=SamplingParams(), lora_path="adapter")
+    assert placement.dp_only_feature(req) == "LoRA adapters (lora_path)"
     req = SimpleNamespace(sampling_params=SamplingParams(max_new_tokens=None), mm_inputs=None)
     assert placement.dp_only_feature(req) == ""
 
@@ -378,22 +381,29 @@ def _normalized(**kw):
     return obj
 
 
-def test_constrained_forced_into_a_group_is_refused_naming_it(cfg, fresh_policy):
-    obj = _normalized(sampling_params={"regex": "a+", "max_new_tokens": 4})
+def test_dp_only_forced_into_a_group_is_refused_naming_it(cfg, fresh_policy):
+    obj = _normalized(sampling_params={"max_new_tokens": 4}, lora_path="adapter")
     request_tags.tag_request(obj, {"x-flying-tp": "2"})
-    with pytest.raises(ValueError, match=r"constrained decoding \(regex\)"):
+    with pytest.raises(ValueError, match=r"LoRA adapters \(lora_path\)"):
         request_tags.place(obj, [1] * 10, MANAGER)
+    constrained = _normalized(sampling_params={"regex": "a+", "max_new_tokens": 4})
+    request_tags.tag_request(constrained, {"x-flying-tp": "2"})
+    request_tags.place(constrained, [1] * 10, MANAGER)
+    assert request_tags.degree_of(constrained) == 2
 
 
-def test_constrained_priority_runs_in_dp_and_says_why(cfg, fresh_policy):
+def test_dp_only_priority_runs_in_dp_and_says_why(cfg, fresh_policy):
     cfg(policy="static-dp")
-    obj = _normalized(sampling_params={"json_schema": "{}"}, priority=5)
+    obj = _normalized(sampling_params={"max_new_tokens": 4}, lora_path="adapter", priority=5)
     request_tags.place(obj, [1] * 10, MANAGER)
     assert request_tags.degree_of(obj) == 0
     degree, reason = request_tags.where_it_ran(obj, {"id": obj.rid})
-    assert degree == 0 and "constrained decoding (json_schema) runs in DP" == reason
+    assert degree == 0 and "LoRA adapters (lora_path) runs in DP" == reason
     info = request_tags.placement(degree, 1, reason)
     assert info == {"mode": "dp", "degree": 1, "ranks": [1], "reason": reason}
+    constrained = _normalized(sampling_params={"json_schema": "{}"}, priority=5)
+    request_tags.place(constrained, [1] * 10, MANAGER)
+    assert messages.read_mark(constrained.routing_key).reason == "priority"
 
 
 def test_priority_marks_for_the_largest_group(cfg, fresh_policy):
@@ -418,10 +428,13 @@ def test_none_long_prompt_gets_the_groups_bound(cfg, fresh_policy):
     assert request_tags.degree_of(obj) == 0
 
 
-def test_constrained_long_prompt_refused_naming_it(cfg, fresh_policy):
-    obj = _normalized(sampling_params={"ebnf": "root ::= 'a'", "max_new_tokens": 8})
-    with pytest.raises(ValueError, match=r"constrained decoding \(ebnf\)"):
+def test_dp_only_long_prompt_refused_naming_it(cfg, fresh_policy):
+    obj = _normalized(sampling_params={"max_new_tokens": 8}, lora_path="adapter")
+    with pytest.raises(ValueError, match=r"LoRA adapters \(lora_path\)"):
         request_tags.place(obj, [1] * 1500, MANAGER)
+    constrained = _normalized(sampling_params={"ebnf": "root ::= 'a'", "max_new_tokens": 8})
+    request_tags.place(constrained, [1] * 1500, MANAGER)
+    assert request_tags.degree_of(constrained) == 2
 
 
 # -- placement log: every key deleted ----------------------------------------------------
@@ -511,13 +524,13 @@ class FakeController:
         ]
 
 
-def _tok(routing_key=None, priority=None, **params):
+def _tok(routing_key=None, priority=None, lora_path=None, **params):
     from sglang.srt.sampling.sampling_params import SamplingParams
 
     params.setdefault("max_new_tokens", 8)
     return SimpleNamespace(
         rid="rid-" + str(random.random()), routing_key=routing_key, priority=priority,
-        input_ids=[1, 2, 3], sampling_params=SamplingParams(**params),
+        input_ids=[1, 2, 3], sampling_params=SamplingParams(**params), lora_path=lora_path,
     )
 
 
@@ -534,14 +547,15 @@ def test_forged_marker_is_dropped_and_runs_dp(cfg):
     assert flying_controller.binds_for(ctl, req) == [] and req.routing_key == "mine"
 
 
-def test_constrained_never_bound_by_the_controller(cfg):
+def test_dp_only_never_bound_by_the_controller(cfg):
     cfg(policy="adaptive")
     ctl = FakeController()
-    assert flying_controller.binds_for(ctl, _tok(regex="a+")) == []
-    marked = _tok(routing_key=messages.mark(None, 2, "priority"), regex="a+")
+    assert flying_controller.binds_for(ctl, _tok(lora_path="adapter")) == []
+    marked = _tok(routing_key=messages.mark(None, 2, "priority"), lora_path="adapter")
     assert flying_controller.binds_for(ctl, marked) == []
-    # unconstrained, on an idle node (its first arrival): a group
+    # without it, on an idle node (its first arrival): a group; constrained too
     assert flying_controller.binds_for(FakeController(), _tok())
+    assert flying_controller.binds_for(FakeController(), _tok(regex="a+"))
 
 
 def test_priority_bound_keeps_busy_members_in_dp(cfg):
