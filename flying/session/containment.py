@@ -33,11 +33,15 @@ FAULT_STATUS = 500
 
 def session_reqs(scheduler, batch=None) -> list:
     """The requests the session's queues (and ``batch``, the step's batch) hold, each
-    once, in a stable order."""
+    once, in a stable order. The grammar queue too: empty at step boundaries, it holds
+    a request only where its compile failed to finish as it was handed in
+    (``flying.session.grammar``), and that request is re-run in DP like any other."""
     out, seen = [], set()
     last = scheduler.last_batch
     chunked = scheduler.chunked_req
+    grammar_queue = getattr(getattr(scheduler, "grammar_manager", None), "grammar_queue", ())
     for req in [
+        *grammar_queue,
         *scheduler.waiting_queue,
         *scheduler.running_batch.reqs,
         *(last.reqs if last is not None else ()),
@@ -81,6 +85,8 @@ def abandon(
                   "err_type": "FlyingGroupFault"}
         scheduler.send_abort_output(AbortReq(rid=req.rid, finished_reason=reason), req)
     scheduler.waiting_queue = []
+    if getattr(scheduler, "grammar_manager", None) is not None:
+        scheduler.grammar_manager.grammar_queue = []  # the session's (the TP state's)
     scheduler.running_batch = ScheduleBatch(reqs=[], batch_is_full=False)
     scheduler.last_batch = None
     scheduler.chunked_req = None

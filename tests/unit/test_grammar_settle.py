@@ -83,3 +83,22 @@ def test_an_engine_of_several_ranks_is_refused():
     sched.grammar_manager.grammar_queue.append(_req("a", futures.Future()))
     with pytest.raises(RuntimeError, match="one-rank"):
         grammar.settle(sched, "a")
+
+
+def test_a_request_left_in_the_grammar_queue_by_a_fault_is_rerun_in_dp():
+    """A compile that did not finish where the request was handed in leaves it in the
+    session's grammar queue; a failed session's containment re-runs it in DP (it was
+    handed, so only the queues name it) and empties that queue."""
+    from flying.session import containment
+
+    sched = Scheduler(Manager())
+    queued = SimpleNamespace(rid="a", grammar=futures.Future(), finished_output=False,
+                             send_token_offset=0, kv=SimpleNamespace(holds_kv=False))
+    sched.grammar_manager.grammar_queue.append(queued)
+    sched.running_batch = SimpleNamespace(reqs=[])
+    sched.last_batch = sched.chunked_req = None
+    assert containment.session_reqs(sched) == [queued]
+    tokenized = {"a": "the request as it arrived"}
+    rerun, resume = containment.abandon(sched, True, "grammar", tokenized, {"a"})
+    assert rerun == ["the request as it arrived"] and resume == []
+    assert sched.grammar_manager.grammar_queue == []
