@@ -125,8 +125,9 @@ def render(runs: list[dict], slos: tuple[float, float]) -> str:
                    f"| {_pct(m['loaded_error'])} | {m['measured']:.2f} |")
     out += ["", "Predicted goodput: the model at each mode's quiet step costs (its best); at "
             "the steps' running costs: the same model with each mode's steps stretched as "
-            "they ran when it last served (`Costs.lately`; \"-\": a log from before the "
-            "policy recorded it)."]
+            "they ran when it last served (`Costs.lately`; \"-\" there: a log from before "
+            "the policy recorded it). An error is \"-\" where nothing was measured "
+            "within the SLOs."]
     return "\n".join(out)
 
 
