@@ -125,6 +125,13 @@ PATCHES: tuple[Patch, ...] = (
         "sglang_patches.data_parallel_controller:dispatching_with_trace",
         "TP-marked requests become one Bind per group member, in one total order",
     ),
+    # -- HTTP process (sglang.srt.managers.io_struct) --
+    Patch(
+        "sglang.srt.managers.io_struct.GenerateReqInput.__getitem__",
+        "after",
+        "sglang_patches.io_struct:generate_req_input_getitem",
+        "a batch's sub-requests (n > 1, prompt lists) keep its routing key: Flying's placement",
+    ),
     # -- HTTP process (sglang.srt.managers.tokenizer_manager) --
     Patch(
         "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request",

@@ -147,3 +147,21 @@ def test_stream_in_a_group_reports_tp(dp2_server):
             if line.startswith(b"data: ") and line != b"data: [DONE]":
                 chunks.append(json.loads(line[6:]))
     assert chunks and chunks[-1]["meta_info"]["flying"]["mode"] == "tp"
+
+
+def test_parallel_samples_keep_the_requests_group(dp2_server):
+    """``n`` > 1: SGLang splits the request into sub-requests; each keeps the batch's
+    placement (``X-Flying-TP``) and reports it."""
+    payload = {"text": "hi", "sampling_params": {"max_new_tokens": 6, "n": 2, "temperature": 0.8},
+               "return_logprob": True, "top_logprobs_num": 2}
+    resp = dp2_server.post("/generate", payload, headers=TP2, timeout=300)
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert len(body) == 2
+    assert [b["meta_info"]["flying"]["mode"] for b in body] == ["tp", "tp"], body
+    assert all(len(b["meta_info"]["output_token_logprobs"]) == 6 for b in body)
+    batch = {"text": ["a", "b"], "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}
+    resp = dp2_server.post("/generate", batch, headers=TP2, timeout=300)
+    assert resp.status_code == 200, resp.text
+    assert [b["meta_info"]["flying"]["mode"] for b in resp.json()] == ["tp", "tp"]
+    _alive(dp2_server)
