@@ -104,7 +104,7 @@ PATCHES: tuple[Patch, ...] = (
         "sglang.srt.managers.scheduler_components.load_inquirer.SchedulerLoadInquirer.get_loads",
         "after",
         "sglang_patches.load_inquirer:get_loads",
-        "load snapshots count a group's requests once (leader), in either of its states",
+        "load snapshots count a group's requests once (leader) and waiting binds; stamped at input",
     ),
     Patch(
         "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer.is_request_level_customized_info_key",

@@ -11,7 +11,9 @@
   places in TP from the engines' load snapshots, becomes one Bind per group member,
   sent in this process's single order; every other request is dispatched by SGLang,
   and where its round robin chose the engine, Flying reads which one afterwards (the
-  conversation index: ``flying.node.turns``).
+  conversation index: ``flying.node.turns``). Either way the engine that answers the
+  request counts it in flight until its load snapshot shows it
+  (``flying.node.in_flight``).
 
 Containment: the controller is one process for the whole node, so nothing Flying does
 here may raise into SGLang's event loop. Any exception while deciding or sending is
@@ -78,11 +80,13 @@ def dispatching_with_trace(original, controller, req, *args, **kwargs):
         binds = []
     if not binds:
         mark = flying_controller.round_robin_mark(controller)
-        result = original(controller, req, *args, **kwargs)
+        with flying_controller.dispatching(controller):
+            result = original(controller, req, *args, **kwargs)
         flying_controller.dispatched(controller, req, mark)
         return result
     if not _send(controller, binds):
         return original(controller, req, *args, **kwargs)
+    flying_controller.sent(controller, binds)
 
 
 def _upgrade(controller, ask: Upgrade) -> None:

@@ -14,6 +14,7 @@ plain DP when deciding fails.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import time
@@ -22,6 +23,7 @@ from dataclasses import replace
 
 from flying.node import costs_reader, placement_log, turns
 from flying.node.config import get_config
+from flying.node.in_flight import InFlight, watch
 from flying.session.messages import Bind, Upgrade, read_mark
 from flying.substrate import status_board
 from flying.substrate.layout import Group, group_containing, groups_of
@@ -99,6 +101,10 @@ def attach(controller) -> None:
     controller._flying_policy = None
     controller._flying_recorded = placement_log.Recorded()
     controller._flying_arrivals = Arrivals()
+    controller._flying_in_flight = InFlight(controller.server_args.dp_size)
+    workers = getattr(controller, "workers", None)
+    if workers:  # none on node_rank > 0
+        watch(workers, controller._flying_in_flight)
     board = status_board.attached() if degrees else None
     if board is not None:  # mapped now: the launcher then removes the board's file
         board.mark_reader()
@@ -192,6 +198,33 @@ def round_robin_mark(controller) -> int | None:
         return turns.round_robin_mark(controller)
     except Exception:  # noqa: BLE001 - advice only
         return None
+
+
+def dispatching(controller):
+    """While SGLang dispatches one request in DP: the engine it sends to counts it in
+    flight (``flying.node.in_flight``) until that engine's snapshot shows it."""
+    ledger = getattr(controller, "_flying_in_flight", None)
+    return ledger.dispatching() if ledger is not None else contextlib.nullcontext()
+
+
+def sent(controller, binds: list[tuple[int, Bind]]) -> None:
+    """A request's binds went out: its group's leader counts it in flight."""
+    ledger = getattr(controller, "_flying_in_flight", None)
+    if ledger is not None and binds:
+        ledger.note(binds[0][1].ranks[0])
+
+
+def _loads(controller) -> list:
+    """The engines' loads for the policy: their snapshots, and the requests sent to
+    each since its snapshot (``flying.node.in_flight``)."""
+    from flying.node.placement import loads_of
+
+    snapshots = controller.load_snapshot_reader.read_all()
+    loads = loads_of(snapshots)
+    ledger = getattr(controller, "_flying_in_flight", None)
+    if ledger is None:
+        return loads
+    return ledger.add(loads, {s.dp_rank: s.timestamp for s in snapshots})
 
 
 def dispatched(controller, req, mark: int | None) -> None:
@@ -337,10 +370,10 @@ def _groups_open(controller) -> bool:
 def _decide(controller, req, priority: int, turn_tokens: int = 0, turn_held: bool = True):
     """The policy's decision for ``req`` from the engines' loads and measured step
     costs, appended to the decision log when one is configured."""
-    from flying.node.placement import loads_of, request_of
+    from flying.node.placement import request_of
 
     policy = _policy(controller)
-    loads = loads_of(controller.load_snapshot_reader.read_all())
+    loads = _loads(controller)
     reader = _costs(controller)
     costs, switch = reader.read(), reader.switch()
     traffic = replace(controller._flying_arrivals.traffic(time.monotonic()),

@@ -144,6 +144,8 @@ class FlyingCollector:
                 ("held_admissions", "arrivals a group's leader held while its running "
                  "requests finished"),
                 ("moved_to_dp", "running requests a group handed to DP with their KV"),
+                ("handed_back", "waiting requests a group handed to DP to start there "
+                 "when it was to end"),
                 ("moved_tokens", "tokens of KV moved from groups to DP"),
                 ("moved_peer_steps", "steps the senders of a move ran while it was "
                  "in flight (on the member that took it)"),

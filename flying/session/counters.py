@@ -60,6 +60,9 @@ class EngineCounters:
     #: request moved between layouts must not add its prompt again
     prefill_tokens: int = 0
     moved_to_dp: int = 0
+    #: waiting requests (nothing produced, no KV) a group handed to DP to start there
+    #: when it was to end (``flying.session.hand_back``), counted where each started
+    handed_back: int = 0
     moved_tokens: int = 0
     moved_bytes: int = 0
     move_ms_sum: float = 0.0

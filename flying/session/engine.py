@@ -88,6 +88,9 @@ class FlyingEngine(Lifecycle, Drain):
         #: Non-bind input received while a TP step waited for offered binds; handed to
         #: SGLang at the next input boundary, ahead of what arrives then.
         self.deferred: list = []
+        #: when the loop last took input (``time.time``): the load snapshot's timestamp
+        #: (``count_load``); 0.0 before the first
+        self.received_at = 0.0
         self.counters = EngineCounters()
         #: requests without a bound of their own, which ask for a group as they outgrow
         #: this engine (``upgrades``: a group may hold more than this engine)
@@ -185,6 +188,7 @@ class FlyingEngine(Lifecycle, Drain):
                 s.scope.leave()
                 s.batch = None
                 s.to(State.YIELDED)
+        self.received_at = time.time()  # what was sent before is in recv_reqs
         reqs = [r for r in recv_reqs if not self.on_input(r)]
         if self.standby is not None and not self.pending:  # woken by no bind
             standby.drop(self, scheduler)
@@ -320,6 +324,20 @@ class FlyingEngine(Lifecycle, Drain):
         except Exception as exc:  # noqa: BLE001 - containment: this session only
             self._failed(s, exc)
             return None
+
+    def count_load(self, snapshot):
+        """SGLang's load snapshot of this engine, as the controller reads it: a session's
+        requests counted once (``count_session``), the binds this engine leads that wait
+        to be bound or admitted counted as waiting, and ``timestamp`` the time the loop
+        last took input, so the controller counts as in flight exactly what was sent
+        after it (``flying.node.in_flight``)."""
+        snapshot = self.count_session(snapshot)
+        snapshot.num_waiting_reqs += sum(
+            1 for b in self.pending if b.req is not None and b.ranks[0] == self.dp_rank
+        )
+        if self.received_at:
+            snapshot.timestamp = self.received_at
+        return snapshot
 
     def count_session(self, snapshot):
         """SGLang's load snapshot of this engine (``LoadSnapshot``), with a session's

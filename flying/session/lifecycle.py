@@ -14,6 +14,7 @@ from flying.session import (
     admission,
     containment,
     exchange,
+    hand_back,
     join,
     layout_log,
     move,
@@ -227,6 +228,8 @@ class Lifecycle(Release):
             self._end(scheduler, s, [])
             return None
         regroup.ask(self, scheduler, s)
+        if wants_move and self._may_move(s) and scheduler.waiting_queue:
+            hand_back.hand_back(self, scheduler, s)  # not prefilled here: start in DP
         if wants_move and move.ready(scheduler):
             moved = move.to_dp(scheduler, s, self.dp_limit, self.faults, self.bind_timeout_s,
                                self.mail)

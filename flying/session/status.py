@@ -130,7 +130,7 @@ def read_all(store, num_engines: int) -> dict:
             "binds", "standby_binds", "releases", "aborted_binds", "faulted_sessions", "client_aborts",
             "rerun_in_dp", "resumed_in_dp", "preempted_dp_requests", "tp_requests", "tp_steps",
             "overlapped_tp_steps", "held_admissions",
-            "dp_steps_in_session", "moved_to_dp", "moved_tokens", "moved_peer_steps", "moved_to_tp",
+            "dp_steps_in_session", "moved_to_dp", "handed_back", "moved_tokens", "moved_peer_steps", "moved_to_tp",
             "dp_held_for_kv",
             "upgraded", "regrouped",
         )

@@ -55,3 +55,19 @@ def test_no_session_leaves_the_snapshot_alone():
     engine = FlyingEngine(dp_rank=0, pool=None, bind_timeout_s=1.0)
     snap = SimpleNamespace(num_running_reqs=4, num_waiting_reqs=1)
     assert engine.count_session(snap) is snap and snap.num_running_reqs == 4
+
+
+def _bind(ranks: tuple[int, ...], req: object = "req"):
+    return SimpleNamespace(ranks=ranks, req=req)
+
+
+def test_waiting_binds_count_on_their_leader_and_the_stamp_is_the_last_input():
+    engine = FlyingEngine(dp_rank=0, pool=None, bind_timeout_s=1.0)
+    engine.pending.extend([_bind((0, 1)), _bind((0, 1)), _bind((2, 3)), _bind((0, 1), req=None)])
+    snap = SimpleNamespace(num_running_reqs=1, num_waiting_reqs=1, timestamp=99.0)
+    assert engine.count_load(snap).timestamp == 99.0  # no input taken yet: SGLang's own
+    engine.before_input(SimpleNamespace(), [])
+    snap = engine.count_load(SimpleNamespace(num_running_reqs=1, num_waiting_reqs=1, timestamp=99.0))
+    # two placement binds led here (an upgrade's bind, req None, runs already)
+    assert (snap.num_running_reqs, snap.num_waiting_reqs) == (1, 3)
+    assert snap.timestamp == engine.received_at > 0

@@ -164,8 +164,8 @@ def flying_counters(out: Path) -> str:
     if not path.is_file():
         return ""
     totals = json.loads(path.read_text()).get("totals", {})
-    keys = ("binds", "tp_requests", "tp_steps", "dp_steps_in_session", "moved_to_dp", "moved_to_tp",
-            "faulted_sessions")
+    keys = ("binds", "tp_requests", "tp_steps", "dp_steps_in_session", "moved_to_dp", "handed_back",
+            "moved_to_tp", "faulted_sessions")
     return ", ".join(f"{k} {totals[k]}" for k in keys if k in totals)
 
 

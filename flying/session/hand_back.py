@@ -1,0 +1,98 @@
+"""Handing a group's not-yet-started requests back to DP when the group is to end.
+
+A session that hands its requests to DP (``flying.session.move``) can move them only
+when every one is decoding: a request still waiting in the group's queue was first
+prefilled in the group, in TP steps as large as the queue (with DP steps between
+them), and only then moved with its KV. Where a group took a clump of arrivals between
+two of the policy's evaluations and the policy then switched the node to DP, that was
+19-27 requests prefilled in two TP steps of ~2.5 s each before the move, and their
+TPOT 2-3x static DP's for the same requests (hidden-1024 model, the Azure code trace,
+session 76: 27 of the 36 requests that missed the TPOT SLO).
+
+A waiting request that has produced nothing and holds no KV can start over in DP as
+it arrived, the way containment re-runs one (``containment.abandon``): nothing was
+sent to its client, nothing is prefilled twice. So when a session wants to move
+(``Lifecycle._tp_form``: DP work arrived at a member and the session may hand its
+requests over), its waiting requests leave the group at once, spread over its members
+in queue order; the requests already prefilled move when they decode.
+
+Lockstep: every member holds the same queue (the same requests in the same order, the
+same produced tokens) and the move was decided from shared values, so every member
+takes the same requests out of its TP state; each then starts its share in DP (the
+member that starts a request answers it, as after a move). A long-context request
+(prompt and bound beyond one engine) stays in its group.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from flying.session import report
+
+logger = logging.getLogger(__name__)
+
+#: Why a handed-back request's report says it ran in DP.
+HANDED_BACK_REASON = "handed to DP before its prefill: its group was ending"
+
+
+def startable(scheduler, dp_limit: int) -> list:
+    """The session's waiting requests (TP state) that can start in DP as they arrived:
+    nothing produced, no KV, and their prompt and bound within what one engine holds
+    (``dp_limit``; a request without a bound: its prompt), in queue order."""
+    return [req for req in scheduler.waiting_queue
+            if not req.output_ids and not req.kv.holds_kv and _fits(req, dp_limit)]
+
+
+def _fits(req, dp_limit: int) -> bool:
+    prompt, bound = len(req.origin_input_ids), req.sampling_params.max_new_tokens
+    return prompt + bound <= dp_limit if bound is not None else prompt < dp_limit
+
+
+def share(rids: list[str], ranks: tuple[int, ...], rank: int) -> list[str]:
+    """The rids member ``rank`` starts in DP: every ``len(ranks)``-th in queue order,
+    from the member's place in ``ranks`` (the same split on every member)."""
+    i = ranks.index(rank)
+    return rids[i::len(ranks)]
+
+
+def hand_back(engine, scheduler, s) -> int:
+    """Every member, TP state, the same boundary: take the session's startable waiting
+    requests out of its queue and start this member's share of them in DP; returns
+    how many this member started. The scope is left for the DP state and entered
+    again (as an upgrade joining the session does), a kept group step's result
+    processed first, in the TP state."""
+    reqs = startable(scheduler, engine.dp_limit)
+    rids = [r.rid for r in reqs if r.rid in s.scope.tokenized]
+    if not rids:
+        return 0
+    gone = set(rids)
+    scheduler.waiting_queue = [r for r in scheduler.waiting_queue if r.rid not in gone]
+    arrived = {rid: s.scope.tokenized.pop(rid) for rid in rids}
+    s.scope.handed.difference_update(gone)
+    mine = share(rids, tuple(s.bind.ranks), engine.dp_rank)
+    if engine.result.kept:
+        engine.result.process(scheduler)
+    s.scope.leave()
+    try:
+        for rid in mine:
+            start(scheduler, arrived[rid], engine.aborts.hits(rid))
+    finally:
+        s.scope.enter()
+    engine.counters.handed_back += len(mine)
+    logger.info(
+        "flying: engine %d: %d waiting request(s) of bind %s handed back to DP (%d here)",
+        engine.dp_rank, len(rids), s.bind.bind_id, len(mine),
+    )
+    return len(mine)
+
+
+def start(scheduler, tokenized, aborted: bool) -> None:
+    """Start ``tokenized`` (the request as it arrived) in DP (DP state); one whose abort
+    this member has seen is aborted there at once, through SGLang's own path, so its
+    client gets SGLang's abort answer."""
+    from sglang.srt.managers.io_struct import AbortReq
+
+    scheduler.handle_generate_request(tokenized)
+    report.mark(scheduler, tokenized.rid, 1, HANDED_BACK_REASON)
+    if aborted:
+        scheduler.abort_request(AbortReq(rid=tokenized.rid))
