@@ -91,6 +91,9 @@ class FlyingEngine(Lifecycle, Drain):
         #: when the loop last took input (``time.time``): the load snapshot's timestamp
         #: (``count_load``); 0.0 before the first
         self.received_at = 0.0
+        #: when this engine's session last wanted to move to DP (``time.time``): policy
+        #: binds issued before are voted down (``hand_back.stale``)
+        self.left_at = 0.0
         self.counters = EngineCounters()
         #: requests without a bound of their own, which ask for a group as they outgrow
         #: this engine (``upgrades``: a group may hold more than this engine)

@@ -16,6 +16,14 @@ sent to its client, nothing is prefilled twice. So when a session wants to move
 requests over), its waiting requests leave the group at once, spread over its members
 in queue order; the requests already prefilled move when they decode.
 
+The same holds for the binds placed in the group that had not joined it yet (pending
+while the session wanted to move, which admits no one): a policy bind issued before a
+member's session last wanted to move (``stale``) is voted down by that member, and the
+bind's request is served in DP by one of its members (``runner``, spread by bind id)
+instead of forming a new group beside the DP work that just ended the old one. (Same
+run, once the waiting count above was seen: 11 binds pending at the move formed a
+group of 11 beside 16 running DP requests, 12 TP steps and 12 DP steps interleaved.)
+
 Lockstep: every member holds the same queue (the same requests in the same order, the
 same produced tokens) and the move was decided from shared values, so every member
 takes the same requests out of its TP state; each then starts its share in DP (the
@@ -33,6 +41,28 @@ logger = logging.getLogger(__name__)
 
 #: Why a handed-back request's report says it ran in DP.
 HANDED_BACK_REASON = "handed to DP before its prefill: its group was ending"
+#: A member's vote against a policy bind issued before its session last wanted to move.
+STALE_VOTE = "its group handed its requests to DP after this bind was issued"
+
+
+def stale(engine, bind) -> bool:
+    """Whether ``bind`` (a placement by the adaptive policy, which may move to DP) was
+    issued before this member's session last wanted to move to DP (``left_at``; the
+    controller's and the engines' clocks are the host's)."""
+    from flying.session import move
+
+    return (bind.upgrade is None and bind.reason == "policy"
+            and move.allowed(engine.move_to_dp, {bind.reason})
+            and bind.issued_at < engine.left_at)
+
+
+def runner(bind, reason: str) -> int:
+    """The member that serves a bind's request in DP when the bind did not form: one of
+    its members by bind id for a stale bind (so a group's worth of them spread as DP
+    dispatch would), the leader otherwise (the member that answers a group's request)."""
+    if reason == STALE_VOTE:
+        return bind.ranks[int(bind.bind_id, 16) % len(bind.ranks)]
+    return bind.ranks[0]
 
 
 def startable(scheduler, dp_limit: int) -> list:

@@ -48,6 +48,8 @@ class Lifecycle(Release):
             self.faults.check("bind")
             if self.aborts.hits(bind.rid):
                 return None, "request aborted by the client", None
+            if hand_back.stale(self, bind):
+                return None, hand_back.STALE_VOTE, None
             if bind.degree not in self.prepared:
                 return None, f"engine {self.dp_rank} has no TP-{bind.degree} views", None
             # An upgrade's request reserves what it joins with (``upgrade.gather``);
@@ -117,14 +119,17 @@ class Lifecycle(Release):
             if scope is not None:  # opened early: its running batch was the spare one
                 tp_scope.restock(scope.prepared)
             self.counters.aborted_binds += 1
-            logger.warning("flying: bind %s aborted: %s", bind.bind_id, verdict.reason)
+            (logger.info if verdict.reason == hand_back.STALE_VOTE else logger.warning)(
+                "flying: bind %s aborted: %s", bind.bind_id, verdict.reason)
             if bind.upgrade is not None:  # it goes on in DP; one that left a group ends
                 parked = regroup.take(self, scheduler, bind.upgrade.rid)
                 if parked is not None:
                     regroup.finish(scheduler, [parked.req])
-            elif is_leader and self.aborts.hits(bind.req.rid):
+            elif self.dp_rank != hand_back.runner(bind, verdict.reason):
+                pass  # another member serves it
+            elif self.aborts.hits(bind.req.rid):
                 tp_scope.reject(scheduler, bind.req, "request aborted by the client")
-            elif is_leader:  # the group could not form: serve the request in DP instead
+            else:  # the group could not form: serve the request in DP instead
                 self.counters.rerun_in_dp += 1
                 scheduler.handle_generate_request(bind.req)
                 report.mark(scheduler, bind.req.rid, 1, f"TP-{bind.degree} group did not form: {verdict.reason}")
@@ -209,6 +214,8 @@ class Lifecycle(Release):
         wants_move = (bool(shared.dp_arrived) and self._may_move(s)) or (
             held and self.move_to_dp != "off" and s.tp_steps >= s.move_retry_at
         )
+        if wants_move:  # binds issued before now would form a group beside DP work
+            self.left_at = time.time()
         # Admission stays open (DP work runs between group steps, so it never waits
         # for the group); it closes only when a request could not reserve its KV. The
         # binds pending now are offered and admitted before the batch is formed, so a

@@ -137,3 +137,24 @@ def test_nothing_startable_changes_nothing():
     eng = engine(0, kept=True)
     assert hand_back.hand_back(eng, scheduler, s) == 0
     assert eng.processed == [] and scheduler.entered and len(scheduler.tp_waiting) == 1
+
+
+def bind(reason: str = "policy", issued_at: float = 10.0, bind_id: str = "00a1", upgrade=None):
+    return SimpleNamespace(reason=reason, issued_at=issued_at, bind_id=bind_id,
+                           upgrade=upgrade, ranks=(2, 3))
+
+
+def test_a_policy_bind_issued_before_the_member_last_wanted_to_move_is_stale():
+    eng = SimpleNamespace(move_to_dp="policy", left_at=20.0)
+    assert hand_back.stale(eng, bind(issued_at=19.9))
+    assert not hand_back.stale(eng, bind(issued_at=20.1))  # placed after: a new layout
+    assert not hand_back.stale(eng, bind(reason="explicit", issued_at=1.0))  # the client's
+    assert not hand_back.stale(eng, bind(upgrade=object(), issued_at=1.0))
+    assert not hand_back.stale(SimpleNamespace(move_to_dp="off", left_at=20.0), bind())
+    assert not hand_back.stale(SimpleNamespace(move_to_dp="policy", left_at=0.0), bind())
+
+
+def test_stale_binds_run_in_dp_spread_over_their_members_and_others_on_the_leader():
+    runners = {hand_back.runner(bind(bind_id=f"{i:04x}"), hand_back.STALE_VOTE) for i in range(8)}
+    assert runners == {2, 3}
+    assert hand_back.runner(bind(bind_id="0001"), "member lacks KV capacity") == 2
