@@ -35,7 +35,7 @@ import logging
 import time
 from collections import deque
 
-from flying.session import handoff, move, overlap, standby, status, tp_scope, upgrade
+from flying.session import hand_back, handoff, move, overlap, standby, status, tp_scope, upgrade
 from flying.session.aborts import AbortBook
 from flying.session.counters import EngineCounters
 from flying.session.drain import Drain, nothing_running
@@ -234,6 +234,8 @@ class FlyingEngine(Lifecycle, Drain):
     def _next_batch(self, scheduler, original):
         s = self.session
         dp_work = False  # at a bind's boundary, the DP state's (the bind enters the TP state)
+        if s is None:
+            self._vote_down_stale(scheduler)
         if s is None and self.pending:
             was_draining = self.draining
             if self.draining_blocks(scheduler):  # soft preemption: drain first
@@ -265,6 +267,18 @@ class FlyingEngine(Lifecycle, Drain):
         plan = _form(scheduler, original)
         self.publish(scheduler, plan=plan)  # cheap unless due: /flying/status stays current
         return plan
+
+    def _vote_down_stale(self, scheduler) -> None:
+        """Vote down the stale binds at the head of ``pending`` (``hand_back.stale``) in
+        one boundary, so that their requests, served in DP, are prefilled together as
+        SGLang's DP would prefill a clump, not one per step between the running
+        requests' decode steps. Each still goes through the bind's handshake (the
+        members' one verdict); a member that has not received the next one yet is at
+        most a step behind (binds arrive in one order on every member)."""
+        for _ in range(hand_back.STALE_PER_STEP):
+            if not self.pending or not hand_back.stale(self, self.pending[0]):
+                return
+            self._bind(scheduler, self.pending.popleft())
 
     def _dp_step(self, scheduler, s, original):
         """The DP step between two group steps (DP state): SGLang's plan, or None when
