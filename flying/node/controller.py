@@ -224,7 +224,7 @@ def _loads(controller) -> list:
     ledger = getattr(controller, "_flying_in_flight", None)
     if ledger is None:
         return loads
-    return ledger.add(loads, {s.dp_rank: s.timestamp for s in snapshots})
+    return ledger.add(loads, {s.dp_rank: getattr(s, "timestamp", 0.0) for s in snapshots})
 
 
 def dispatched(controller, req, mark: int | None) -> None:

@@ -143,6 +143,16 @@ def test_a_faster_group_is_kept_through_a_burst(fast_group_server, demo_model_di
     # this 2-core machine can stretch past DP's (CI: 49 ms at batch 3 between 10 and 12).
     costs = Costs.from_json(peak["costs"])
     assert costs.decode(2, 1) < costs.decode(1, 1), peak["costs"]
+    # The loads the policy read counted the burst it was placing (the requests sent
+    # since each engine's snapshot: ``flying.node.in_flight``) ...
+    placed = [sum(e["running"] + e["waiting"] for e in line["loads"]) for line in lines]
+    assert max(placed[len(quiet):]) >= BURST // 2, placed
+    # ... and nothing once it was served: a request sent to an idle node reads none.
+    ids = prompts(1, 24, seed=5)[0]
+    assert fast_group_server.generate_ids(ids, 4)["output_ids"] == greedy_tokens(
+        demo_model_dir, ids, 4)
+    last = _decisions(fast_group_server)[-1]
+    assert all(e["running"] == e["waiting"] == 0 for e in last["loads"]), last["loads"]
     assert replay.main([str(fast_group_server.decisions)]) == 0
 
 

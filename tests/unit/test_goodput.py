@@ -18,6 +18,7 @@ from scheduler.costs import Costs, Curve, interpolate
 from scheduler.interleave import interleave_lost
 from scheduler.layout_choice import (
     DWELL_S,
+    EVALUATE_ARRIVALS,
     GOODPUT_TIE,
     Choice,
     LayoutChooser,
@@ -1059,3 +1060,25 @@ def test_a_moderate_burst_after_a_quiet_phase_is_read_and_so_are_its_end_and_the
     assert 10.0 < b1 <= 13.0 and r1 >= 3.0
     assert 20.0 < q <= 30.0 and rq <= 1.0
     assert 30.0 < b2 <= 33.0 and r2 >= 3.0
+
+
+def test_a_clump_of_arrivals_is_evaluated_every_few_arrivals_not_once_per_interval():
+    """Within ``EVALUATE_S`` the current choice stands, but a clump's arrivals (here 10
+    within 10 ms) are re-evaluated every ``EVALUATE_ARRIVALS``: a choice made before
+    the clump does not place all of it."""
+    evaluated = []
+
+    class Counting(LayoutChooser):
+        def _choose(self, now, *args):
+            evaluated.append(now)
+            return super()._choose(now, *args)
+
+    chooser = Counting(2, (2,), 10.0, 0.1, 4096)
+    for i in range(10):
+        now = 100.0 + i / 1000
+        chooser.choose(now, TP_LIGHT, Traffic(now, 1.0, 1.0, 128, 64, 1, 1), 0, i, SLO,
+                       SwitchCosts())
+    assert evaluated == [100.0 + i / 1000 for i in range(0, 10, EVALUATE_ARRIVALS)]
+    chooser.choose(100.3, TP_LIGHT, Traffic(100.3, 1.0, 1.0, 128, 64, 1, 1), 0, 0, SLO,
+                   SwitchCosts())  # an interval later: evaluated whatever the count
+    assert evaluated[-1] == 100.3
