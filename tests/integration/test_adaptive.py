@@ -24,6 +24,7 @@ from flying.session.step_costs import DECODE, bucket
 from scheduler import replay
 from scheduler.policy import Costs
 from tests.conftest import MAX_TOTAL_TOKENS, serve
+from tests.node import delta, greedy_on, settled, status, until, wait_idle
 from tests.reference import greedy_tokens, prompts
 
 pytestmark = pytest.mark.integration
@@ -240,4 +241,37 @@ def test_a_conversation_s_turns_run_on_the_engine_that_holds_it(fast_group_serve
     line = _decisions(fast_group_server)[-1]
     assert line["traffic"]["continued"] == 1.0, line
     assert line["decision"]["reason"].startswith("chat traffic"), line
+    assert replay.main([str(fast_group_server.decisions)]) == 0
+
+
+def test_a_group_ending_for_dp_work_starts_what_it_had_not_started_in_dp(fast_group_server,
+                                                                          demo_model_dir):
+    """Where the group is faster, a burst runs in it; then, while it decodes, a second
+    burst is placed in it and a request pinned to one engine (``routed_dp_rank``: DP
+    work on a member) arrives with it. The group ends for the DP work: its decoding
+    requests move to DP with their KV, and what it had not started (waiting requests,
+    binds it had not admitted) starts in DP as it arrived (``flying.session.hand_back``)
+    instead of being prefilled in the group and moved, or forming a new group beside
+    the DP work. Every request's tokens equal transformers', whichever way it went, no
+    session faults, and every KV slot and request row comes back."""
+    before = wait_idle(fast_group_server)
+    first, second = prompts(6, 24, seed=61), prompts(6, 24, seed=62)
+    pinned_ids = prompts(1, 24, seed=63)[0]
+    with ThreadPoolExecutor(len(first) + len(second)) as pool:
+        long = [pool.submit(fast_group_server.generate_ids, ids, 64) for ids in first]
+        until(lambda: delta(status(fast_group_server), before, "tp_steps") >= 8,
+              "the first burst's group did not run")
+        short = [pool.submit(fast_group_server.generate_ids, ids, NEW_TOKENS) for ids in second]
+        thread, pinned = greedy_on(fast_group_server, pinned_ids, NEW_TOKENS, 1)
+        thread.join(timeout=600)
+        bodies = [f.result(timeout=600) for f in long + short]
+    assert pinned.pop("status_code") == 200, pinned
+    assert pinned["output_ids"] == greedy_tokens(demo_model_dir, pinned_ids, NEW_TOKENS)
+    assert pinned["meta_info"]["flying"]["mode"] == "dp", pinned["meta_info"]
+    for ids, n, body in zip(first + second, [64] * 6 + [NEW_TOKENS] * 6, bodies, strict=True):
+        assert body["output_ids"] == greedy_tokens(demo_model_dir, ids, n), body["meta_info"]
+    after = settled(fast_group_server, before)
+    ended = {k: delta(after, before, k) for k in ("moved_to_dp", "handed_back", "rerun_in_dp")}
+    assert sum(ended.values()) >= 1, ended  # the group gave its work to DP
+    assert delta(after, before, "faulted_sessions") == 0
     assert replay.main([str(fast_group_server.decisions)]) == 0
