@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import logging
 
-from flying.session import report
+from flying.session import containment, report
 
 logger = logging.getLogger(__name__)
 
@@ -80,8 +80,11 @@ def startable(scheduler, dp_limit: int) -> list:
 
 
 def _fits(req, dp_limit: int) -> bool:
-    prompt, bound = len(req.origin_input_ids), req.sampling_params.max_new_tokens
-    return prompt + bound <= dp_limit if bound is not None else prompt < dp_limit
+    """Containment's rule for a bounded request (``containment._fits``: prompt + bound
+    within ``dp_limit``); one without a bound starts in DP if its prompt fits."""
+    if req.sampling_params.max_new_tokens is None:
+        return len(req.origin_input_ids) < dp_limit
+    return containment._fits(req, dp_limit)
 
 
 def share(rids: list[str], ranks: tuple[int, ...], rank: int) -> list[str]:
