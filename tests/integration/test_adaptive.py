@@ -255,10 +255,13 @@ def test_a_group_ending_for_dp_work_starts_what_it_had_not_started_in_dp(fast_gr
     the DP work. Every request's tokens equal transformers', whichever way it went, no
     session faults, and every KV slot and request row comes back."""
     before = wait_idle(fast_group_server)
+    # long enough that the group still decodes when the second burst comes: a group
+    # step takes about 10 ms here, and 64 tokens were done before it came in one run
+    long_tokens = 192
     first, second = prompts(6, 24, seed=61), prompts(6, 24, seed=62)
     pinned_ids = prompts(1, 24, seed=63)[0]
     with ThreadPoolExecutor(len(first) + len(second)) as pool:
-        long = [pool.submit(fast_group_server.generate_ids, ids, 64) for ids in first]
+        long = [pool.submit(fast_group_server.generate_ids, ids, long_tokens) for ids in first]
         until(lambda: delta(status(fast_group_server), before, "tp_steps") >= 8,
               "the first burst's group did not run")
         short = [pool.submit(fast_group_server.generate_ids, ids, NEW_TOKENS) for ids in second]
@@ -268,7 +271,7 @@ def test_a_group_ending_for_dp_work_starts_what_it_had_not_started_in_dp(fast_gr
     assert pinned.pop("status_code") == 200, pinned
     assert pinned["output_ids"] == greedy_tokens(demo_model_dir, pinned_ids, NEW_TOKENS)
     assert pinned["meta_info"]["flying"]["mode"] == "dp", pinned["meta_info"]
-    for ids, n, body in zip(first + second, [64] * 6 + [NEW_TOKENS] * 6, bodies, strict=True):
+    for ids, n, body in zip(first + second, [long_tokens] * 6 + [NEW_TOKENS] * 6, bodies, strict=True):
         assert body["output_ids"] == greedy_tokens(demo_model_dir, ids, n), body["meta_info"]
     after = settled(fast_group_server, before)
     ended = {k: delta(after, before, k) for k in ("moved_to_dp", "handed_back", "rerun_in_dp")}
