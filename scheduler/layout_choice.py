@@ -354,12 +354,13 @@ class LayoutChooser(SwitchCharge):
             return Choice(self.current, f"goodput: keep {cur.layout} (within "
                           f"{GOODPUT_MARGIN:.0%} of {best.name})", briefs)
         elif cur.saturated and new.saturated:  # an overload: decided by what each serves
-            extra = (new.throughput - cur.throughput) / output  # req/s
+            mine, theirs = self._served(best, cur, new, costs, traffic, queued, slo)
+            extra = (theirs - mine) / output  # req/s
             if extra <= GOODPUT_MARGIN * cur.throughput / output:
                 return Choice(self.current, f"goodput: keep {cur.layout} (saturated, "
                               f"within {GOODPUT_MARGIN:.0%} of {best.name}'s throughput)", briefs)
             worth = self._repays(extra, cost_ms, delayed, lost, slo)
-            kind = f"throughput {new.throughput:.0f} vs {cur.throughput:.0f} tok/s, both saturated"
+            kind = f"throughput {theirs:.0f} vs {mine:.0f} tok/s, both saturated"
         else:  # a tie on goodput, decided by latency
             saved = self._latency_saved(cur, new, output)
             if saved <= 0:

@@ -888,6 +888,46 @@ def test_on_logged_costs_a_goodput_switch_is_refused_at_the_stretch_the_run_meas
     assert got.layout.name == want, got.reason
 
 
+#: the hidden-768 node's costs as it logged them in a burst (cpu-burst, session 77): its
+#: TP-2 group serving, stretched 1.335; DP last stepped 1.13x its single-request point
+S77_COSTS = Costs.from_json({
+    "decode_ms": {"1": 23.2808, "2": 16.4117}, "stretch": {"2": 1.335},
+    "live_ms": {"1": 26.2948, "2": 20.2893}, "stretch_last": {"2": 1.335},
+    "curves": {"1": {"decode": [[1.0, 23.2808], [2.0, 41.6287], [3.0, 52.151], [4.0, 42.6612],
+                                [8.0, 50.4134], [16.0, 69.0494], [32.0, 97.7859]],
+                     "prefill": [[5.83, 45.7959], [127.75, 211.127]]},
+               "2": {"decode": [[1.0, 16.4117], [2.0, 24.895], [3.0, 25.9493], [4.0, 22.5847],
+                                [8.0, 27.2347], [16.0, 35.7974], [32.0, 55.592]],
+                     "prefill": [[12.0, 33.8099], [24.5, 36.8289], [59.0, 70.0935],
+                                 [113.38, 97.7756], [143.0, 130.9938], [435.0, 388.7088],
+                                 [871.0, 726.2061], [3968.0, 3648.2138]]}}})
+
+
+@pytest.mark.parametrize("costs, want", [
+    (S77_COSTS, "2xDP"),
+    # the quiet points alone: within 5 % of each other, the group is kept
+    (Costs(S77_COSTS.decode_ms, S77_COSTS.curves), "1xTP2"),
+    # DP's steps stretched as much as the group's: no wider gap as they run
+    (Costs(S77_COSTS.decode_ms, S77_COSTS.curves, {1: 1.335, 2: 1.335}), "1xTP2"),
+])
+def test_past_saturation_a_layout_is_judged_by_what_it_serves_as_its_steps_run(costs, want):
+    """At 11.7 req/s, 4 requests running and 23 queued in a TP-2 group, both layouts
+    are saturated (goodput 0 at the node's SLOs) and the one that serves more drains
+    the queue sooner. At the quiet points DP serves 401 tok/s and the group 384 (4.4 %,
+    within the margin); at the costs the steps run at (the group's 1.335x, DP's 1.13x)
+    DP serves 364 and the group 296, and the node leaves the group while it has 4
+    requests to move. (Kept, the group took 121 running requests into the next burst;
+    static DP served 1.5 req/s within the benchmark's SLOs there, static TP 0.4.)"""
+    chooser = LayoutChooser(2, (2,), 10.0, 0.10, 16384)
+    chooser.current = Layout((2,))
+    traffic = Traffic(now=46829.8, rate_short=11.6667, rate_long=8.6145, prompt=104.09,
+                      output=62.25, n_short=35, n_long=36, window_s=3.0)
+    got = chooser.choose(100.0, costs, traffic, 4, 23, Slo(1586.7, 34.92),
+                         SwitchCosts(bind_ms=0.89))
+    assert got.layout.name == want, got.reason
+    assert "saturated" in got.reason, got.reason
+
+
 #: a decision the hidden-1024 node logged as a burst ended (cpu-three-peak, session 35):
 #: DP, 6 and 1 requests running on its two engines, both layouts past the policy's TPOT
 #: SLO (a goodput tie at 0), TP-2 predicted 2975 ms end to end against DP's 4029
