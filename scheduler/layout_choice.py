@@ -314,6 +314,7 @@ class LayoutChooser(SwitchCharge):
             best = self._best(self._net_of_interleave(reach, cur, running, traffic.rate,
                                                       output, slo),
                               output, costs, top, edges)
+        best = self._as_run(best, reach, costs, traffic, queued, slo)
         new = preds[best]
         if best == self.current:
             return Choice(self.current, f"goodput: {cur.layout} predicted best", briefs)
@@ -354,9 +355,9 @@ class LayoutChooser(SwitchCharge):
             return Choice(self.current, f"goodput: keep {cur.layout} (within "
                           f"{GOODPUT_MARGIN:.0%} of {best.name})", briefs)
         elif cur.saturated and new.saturated:  # an overload: decided by what each serves
-            mine, theirs = self._served(best, cur, new, costs, traffic, queued, slo)
+            share, mine, theirs = self._served(best, preds, costs, traffic, queued, slo)
             extra = (theirs - mine) / output  # req/s
-            if extra <= GOODPUT_MARGIN * cur.throughput / output:
+            if share <= GOODPUT_MARGIN:
                 return Choice(self.current, f"goodput: keep {cur.layout} (saturated, "
                               f"within {GOODPUT_MARGIN:.0%} of {best.name}'s throughput)", briefs)
             worth = self._repays(extra, cost_ms, delayed, lost, slo)

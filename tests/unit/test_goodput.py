@@ -928,6 +928,37 @@ def test_past_saturation_a_layout_is_judged_by_what_it_serves_as_its_steps_run(c
     assert "saturated" in got.reason, got.reason
 
 
+def test_past_saturation_the_costs_as_run_may_reverse_a_quiet_tie():
+    """Another start of the same node (its calibration put the group 4 % ahead of DP
+    at the quiet points), 1 running and 26 queued in the group, stretched 1.407x: at
+    the costs as run DP serves 22 % more, and the node leaves the group. Where DP's
+    steps are stretched alike, the quiet tie stands and the group is kept."""
+    costs = Costs.from_json({
+        "decode_ms": {"1": 21.8187, "2": 15.8551}, "stretch": {"2": 1.407},
+        "live_ms": {"1": 24.8715, "2": 22.4066}, "stretch_last": {"2": 1.407},
+        "curves": {"1": {"decode": [[1.0, 21.8187], [2.0, 41.8491], [3.0, 51.4939],
+                                    [4.0, 41.9029], [8.0, 50.3259], [16.0, 66.1987],
+                                    [32.0, 98.5131]],
+                         "prefill": [[6.17, 38.6536], [127.75, 214.2886]]},
+                   "2": {"decode": [[1.0, 15.8551], [2.0, 23.8332], [3.0, 27.0436],
+                                    [4.0, 22.8577], [8.0, 30.1271], [16.0, 41.6469],
+                                    [32.0, 54.8219]],
+                         "prefill": [[12.0, 31.2105], [24.5, 33.8464], [59.0, 94.9558],
+                                     [113.38, 86.3936], [143.0, 129.9732], [671.0, 619.9877],
+                                     [3968.0, 3548.6168]]}}})
+    traffic = Traffic(now=58786.2, rate_short=11.0, rate_long=8.1585, prompt=103.81,
+                      output=62.07, n_short=33, n_long=34, window_s=3.0)
+    alike = Costs(costs.decode_ms, costs.curves, {1: 1.407, 2: 1.407})
+    for given, want in ((costs, "2xDP"), (alike, "1xTP2")):
+        chooser = LayoutChooser(2, (2,), 10.0, 0.10, 16384)
+        chooser.current = Layout((2,))
+        got = chooser.choose(100.0, given, traffic, 1, 26, Slo(1641.9, 32.73),
+                             SwitchCosts(bind_ms=0.66))
+        assert got.layout.name == want, got.reason
+        quiet = chooser.predict_all(given, traffic, 26, Slo(1641.9, 32.73))
+        assert quiet[Layout((2,))].throughput > quiet[Layout((1, 1))].throughput
+
+
 #: a decision the hidden-1024 node logged as a burst ended (cpu-three-peak, session 35):
 #: DP, 6 and 1 requests running on its two engines, both layouts past the policy's TPOT
 #: SLO (a goodput tie at 0), TP-2 predicted 2975 ms end to end against DP's 4029
