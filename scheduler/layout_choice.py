@@ -27,7 +27,10 @@ keeps or changes its layout:
   phase's first arrivals reading it high), the layouts are compared at the first edge
   of the rate's band below it, half a standard error to three, where one does
   (``_lower_edge``): what a layout serves past saturation it serves in the stream's
-  lulls;
+  lulls; where the current layout and the best are both saturated (goodput ~0), the
+  one that serves the most output clears the queue soonest, read at the quiet points
+  and at the costs the steps run at now (``_as_run``, ``_served``: a gain at one of
+  the two, a loss beyond the margin at neither);
 - hysteresis: a goodput gain must exceed ``GOODPUT_MARGIN`` of the current layout's
   goodput (and ``GOODPUT_TIE`` of the rate) across the rate estimate's uncertainty (at
   the band's edges the gain in the share within SLO counts, so behind one arrival a
