@@ -30,7 +30,8 @@ keeps or changes its layout:
   lulls; where the current layout and the best are both saturated (goodput ~0), the
   one that serves the most output clears the queue soonest, read at the quiet points
   and at the costs the steps run at now (``_as_run``, ``_served``: a gain at one of
-  the two, a loss beyond the margin at neither);
+  the two, a loss beyond the margin at neither; a group behind DP at both is left
+  whatever the margin, ``_group_unpaid``);
 - hysteresis: a goodput gain must exceed ``GOODPUT_MARGIN`` of the current layout's
   goodput (and ``GOODPUT_TIE`` of the rate) across the rate estimate's uncertainty (at
   the band's edges the gain in the share within SLO counts, so behind one arrival a
@@ -358,13 +359,15 @@ class LayoutChooser(SwitchCharge):
             return Choice(self.current, f"goodput: keep {cur.layout} (within "
                           f"{GOODPUT_MARGIN:.0%} of {best.name})", briefs)
         elif cur.saturated and new.saturated:  # an overload: decided by what each serves
-            share, mine, theirs = self._served(best, preds, costs, traffic, queued, slo)
+            share, mine, theirs, least = self._served(best, preds, costs, traffic, queued, slo)
             extra = (theirs - mine) / output  # req/s
-            if share <= GOODPUT_MARGIN:
+            unpaid = share <= GOODPUT_MARGIN and self._group_unpaid(best, least)
+            if share <= GOODPUT_MARGIN and not unpaid:
                 return Choice(self.current, f"goodput: keep {cur.layout} (saturated, "
                               f"within {GOODPUT_MARGIN:.0%} of {best.name}'s throughput)", briefs)
             worth = self._repays(extra, cost_ms, delayed, lost, slo)
-            kind = f"throughput {theirs:.0f} vs {mine:.0f} tok/s, both saturated"
+            kind = f"throughput {theirs:.0f} vs {mine:.0f} tok/s, both saturated" + \
+                (", the group behind at both costs" if unpaid else "")
         else:  # a tie on goodput, decided by latency
             saved = self._latency_saved(cur, new, output)
             if saved <= 0:
