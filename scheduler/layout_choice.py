@@ -319,6 +319,7 @@ class LayoutChooser(SwitchCharge):
                                                       output, slo),
                               output, costs, top, edges)
         best = self._as_run(best, reach, costs, traffic, queued, slo)
+        best = self._dp_unless_paid(best, reach, costs, traffic, queued, slo)
         new = preds[best]
         if best == self.current:
             return Choice(self.current, f"goodput: {cur.layout} predicted best", briefs)
@@ -365,9 +366,9 @@ class LayoutChooser(SwitchCharge):
             if share <= GOODPUT_MARGIN and not unpaid:
                 return Choice(self.current, f"goodput: keep {cur.layout} (saturated, "
                               f"within {GOODPUT_MARGIN:.0%} of {best.name}'s throughput)", briefs)
-            worth = self._repays(extra, cost_ms, delayed, lost, slo)
+            worth = unpaid or self._repays(extra, cost_ms, delayed, lost, slo)
             kind = f"throughput {theirs:.0f} vs {mine:.0f} tok/s, both saturated" + \
-                (", the group behind at both costs" if unpaid else "")
+                (f", the group not {GOODPUT_MARGIN:.0%} ahead at either cost" if unpaid else "")
         else:  # a tie on goodput, decided by latency
             saved = self._latency_saved(cur, new, output)
             if saved <= 0:

@@ -957,20 +957,24 @@ def _group_steps_times(costs: dict, k: float) -> Costs:
 @pytest.mark.parametrize("current, k, want", [
     ((2,), 1.0, "2xDP"),  # the group behind at both readings (2-4 %): left
     ((1, 1), 1.0, "2xDP"),  # nor formed from DP
-    ((2,), 0.95, "1xTP2"),  # the group ahead, within the margin: kept
-    ((1, 1), 0.95, "2xDP"),  # and not formed from DP for less than the margin
+    ((2,), 0.95, "2xDP"),  # ahead at both, within the margin: left
+    ((2,), 0.9, "1xTP2"),  # ahead past the margin: kept
+    ((1, 1), 0.9, "2xDP"),  # and not formed from DP over a queue
 ])
-def test_past_saturation_a_group_behind_dp_at_both_costs_is_left(current, k, want):
+def test_past_saturation_a_group_must_pay_against_dp(current, k, want):
     """At 7.3 req/s, 1 request running and 17 queued, both layouts saturated: DP
-    serves 2-4 % more than a TP-2 group at the quiet points and at the costs as run,
-    within the 5 % margin at each. The margin keeps a layout against noise, not a group
-    both readings put behind (kept, session 78's round carried it into the next burst
-    and left it there with 121 running: 0.78x static DP's goodput). A group 5 % faster
-    at every step is ahead within the margin: kept, and not formed."""
+    serves 2-4 % more than a TP-2 group at the quiet points and at the costs as run.
+    The margin is the model's error, and within it a group does not pay: kept,
+    session 78's round carried it into the next burst and left it there with 121
+    running (0.78x static DP's goodput). With every group step 5 % shorter the group is
+    ahead within the margin, and left; 10 % shorter, it pays and is kept. (The TPOT
+    SLO is one no layout meets at any rate here, so every choice is past saturation:
+    at the node's, 32 ms, a faster group meets it in the rate's lulls, and the lulls
+    decide, ``test_where_nothing_serves_at_the_rate_read_the_layouts_are_compared_below_it``.)"""
     traffic = Traffic(now=59321.3, rate_short=7.3333, rate_long=6.5372, prompt=110.52,
                       output=63.52, n_short=22, n_long=23, window_s=3.0)
     costs = _group_steps_times(S78_JSON, k)
-    slo = Slo(1644.8, 32.29)
+    slo = Slo(1644.8, 12.0)
     chooser = LayoutChooser(2, (2,), 10.0, 0.10, 16384)
     chooser.current = Layout(current)
     got = chooser.choose(100.0, costs, traffic, 1, 17, slo, SwitchCosts(bind_ms=0.88))
@@ -978,16 +982,18 @@ def test_past_saturation_a_group_behind_dp_at_both_costs_is_left(current, k, wan
     for c in (costs, costs.lately()):
         seen = chooser.predict_all(c, traffic, 17, slo, loaded=c is not costs)
         dp, group = seen[Layout((1, 1))].throughput, seen[Layout((2,))].throughput
-        assert 0.95 < dp / group < 1.05 and (dp > group) == (k == 1.0), (dp, group)
+        assert seen[Layout((1, 1))].saturated and seen[Layout((2,))].saturated
+        assert (dp > group) == (k == 1.0) and (group / dp > 1.05) == (k == 0.9), (dp, group)
     if current == (2,) and want == "2xDP":
-        assert "behind at both" in got.reason, got.reason
+        assert "not 5% ahead" in got.reason, got.reason
 
 
 def test_past_saturation_the_costs_as_run_may_reverse_a_quiet_tie():
     """Another start of the same node (its calibration put the group 4 % ahead of DP
     at the quiet points), 1 running and 26 queued in the group, stretched 1.407x: at
     the costs as run DP serves 22 % more, and the node leaves the group. Where DP's
-    steps are stretched alike, the quiet tie stands and the group is kept."""
+    steps are stretched alike, the group is 4 % ahead at both readings: within the
+    margin it does not pay, and is left for that."""
     costs = Costs.from_json({
         "decode_ms": {"1": 21.8187, "2": 15.8551}, "stretch": {"2": 1.407},
         "live_ms": {"1": 24.8715, "2": 22.4066}, "stretch_last": {"2": 1.407},
@@ -1004,12 +1010,13 @@ def test_past_saturation_the_costs_as_run_may_reverse_a_quiet_tie():
     traffic = Traffic(now=58786.2, rate_short=11.0, rate_long=8.1585, prompt=103.81,
                       output=62.07, n_short=33, n_long=34, window_s=3.0)
     alike = Costs(costs.decode_ms, costs.curves, {1: 1.407, 2: 1.407})
-    for given, want in ((costs, "2xDP"), (alike, "1xTP2")):
+    for given, unpaid in ((costs, False), (alike, True)):
         chooser = LayoutChooser(2, (2,), 10.0, 0.10, 16384)
         chooser.current = Layout((2,))
         got = chooser.choose(100.0, given, traffic, 1, 26, Slo(1641.9, 32.73),
                              SwitchCosts(bind_ms=0.66))
-        assert got.layout.name == want, got.reason
+        assert got.layout.name == "2xDP", got.reason
+        assert ("not 5% ahead" in got.reason) == unpaid, got.reason
         quiet = chooser.predict_all(given, traffic, 26, Slo(1641.9, 32.73))
         assert quiet[Layout((2,))].throughput > quiet[Layout((1, 1))].throughput
 
