@@ -30,8 +30,8 @@ keeps or changes its layout:
   lulls; where the current layout and the best are both saturated (goodput ~0), the
   one that serves the most output clears the queue soonest, read at the quiet points
   and at the costs the steps run at now (``_as_run``, ``_served``: a gain at one of
-  the two, a loss beyond the margin at neither; a group behind DP at both is left
-  whatever the margin, ``_group_unpaid``);
+  the two, a loss beyond the margin at neither; a group not the margin ahead of DP at
+  either is left, ``_group_unpaid``);
 - hysteresis: a goodput gain must exceed ``GOODPUT_MARGIN`` of the current layout's
   goodput (and ``GOODPUT_TIE`` of the rate) across the rate estimate's uncertainty (at
   the band's edges the gain in the share within SLO counts, so behind one arrival a
