@@ -10,14 +10,16 @@ plots is written. Runs:
   the Flying plugin only provides the CPU platform.
 - ``static-tp``: ``--tp-size N --dp-size 1``: one SGLang replica sharded N ways.
 - ``flying``: ``--dp-size N`` plus whatever ``--flying-args`` says; the report shows what it
-  measured, whatever mode its engines ran in.
+  measured, whatever mode its engines ran in. Once a static TP run of the comparison has
+  finished, the Flying run is given the SLOs ``workloads.targets`` grades goodput at
+  (``workloads.comparisons.graded_slos``; ``--flying-own-slos``: it derives its own).
 
 CLI::
 
     python -m workloads.compare --preset cpu-small [--runs static-dp,flying] [--limit 20] \\
         [--arrival gamma --rate 2 --burstiness 0.5] [--goodput ttft:100 tpot:20] \\
         [--model-path DIR] [--engines 2] [--flying-args "..."] [--server-args "..."] [--out DIR]
-        [--rounds N]
+        [--rounds N] [--flying-own-slos]
         (every run gets --enable-metrics so responses carry server queue times, and the
         Flying run a decision log, OUT/flying/decisions.jsonl, unless --flying-args names one)
     python -m workloads.compare --report-only DIR   # rebuild report.md from saved runs
@@ -37,6 +39,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from workloads.comparisons.graded_slos import slo_args
 from workloads.load.cli import add_goodput_args, add_trace_args, slos_from_args, trace_from_args
 from workloads.load.slos import DEFAULT_SLOS
 from workloads.load.trace import TraceRequest
@@ -186,6 +189,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help=f"comma list out of {','.join(RUN_NAMES)}")
     parser.add_argument("--flying-args", default="", help="extra flags for the flying run")
     parser.add_argument("--server-args", default="", help="extra SGLang flags for every run")
+    parser.add_argument("--flying-own-slos", action="store_true",
+                        help="let the Flying run derive its own SLOs (by default it is given "
+                        "the ones workloads.targets grades at, once a static TP run of the "
+                        "comparison has given them: workloads.comparisons.graded_slos)")
     parser.add_argument("--no-queue-metrics", action="store_true",
                         help="do not add --enable-metrics (then no server queue times)")
     parser.add_argument("--out", help="output directory (default results/compare-<time>)")
@@ -299,7 +306,10 @@ def _round(args: argparse.Namespace, out: Path, runs: list[str], command: str,
         flying_args += [DECISION_LOG_FLAG, str(out / "flying" / "decisions.jsonl")]
     results: list[RunResult] = []
     for name in runs:
-        launch = run_args(name, model_path, args.engines, server_args, flying_args)
+        given = slo_args(out, flying_args, args.flying_own_slos) if name == "flying" else []
+        if given:
+            log(f"flying: given the SLOs workloads.targets grades at: {shlex.join(given)}")
+        launch = run_args(name, model_path, args.engines, server_args, flying_args + given)
         results.append(run_one(name, launch, trace, out / name, args.port, args.seed,
                                args.timeout,
                                startup_timeout_s=args.startup_timeout,
