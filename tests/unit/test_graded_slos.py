@@ -1,5 +1,5 @@
-"""``workloads.comparisons.graded_slos``: compare's Flying run is given the SLOs that
-``workloads.targets`` grades the comparison at."""
+"""``workloads.comparisons.graded_slos``: with ``--flying-graded-slos`` compare's Flying
+run is given the SLOs that ``workloads.targets`` grades the comparison at."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def _save(out, name: str, records: list[RequestRecord]) -> None:
 def test_nothing_is_given_before_static_tp_has_run(tmp_path):
     _save(tmp_path, "static-dp", _records(100.0, 10.0))
     assert graded_slos(tmp_path) is None
-    assert slo_args(tmp_path, [], own=False) == []
+    assert slo_args(tmp_path, [], graded=True) == []
 
 
 def test_a_single_comparison_gives_its_static_tp_quiet_slos(tmp_path):
@@ -37,7 +37,7 @@ def test_a_single_comparison_gives_its_static_tp_quiet_slos(tmp_path):
     count where the trace has a quiet phase, every request where it has none."""
     _save(tmp_path, "static-tp", _records(200.0, 40.0) + _records(9000.0, 400.0, "burst", 9))
     assert graded_slos(tmp_path) == pytest.approx((800.0, 60.0))
-    assert slo_args(tmp_path, ["--flying-phase-s", "5"], own=False) == [
+    assert slo_args(tmp_path, ["--flying-phase-s", "5"], graded=True) == [
         "--flying-slo-ttft", "800", "--flying-slo-tpot", "60"]
     poisson = tmp_path / "poisson"
     _save(poisson, "static-tp", _records(300.0, 20.0, "poisson"))
@@ -56,10 +56,10 @@ def test_a_round_is_given_the_rounds_pooled_as_the_targets_pool_them(tmp_path):
     assert graded_slos(rounds[2]) == pytest.approx((1200.0, 60.0))
 
 
-def test_slos_set_in_flying_args_or_own_slos_are_kept(tmp_path):
+def test_slos_set_in_flying_args_are_kept_and_none_are_given_by_default(tmp_path):
     _save(tmp_path, "static-tp", _records(200.0, 40.0))
-    assert slo_args(tmp_path, ["--flying-slo-tpot", "25"], own=False) == []
-    assert slo_args(tmp_path, ["--flying-slo-ttft=900"], own=False) == []
-    assert slo_args(tmp_path, [], own=True) == []
-    assert parse_args(["--flying-own-slos"]).flying_own_slos
-    assert not parse_args([]).flying_own_slos
+    assert slo_args(tmp_path, ["--flying-slo-tpot", "25"], graded=True) == []
+    assert slo_args(tmp_path, ["--flying-slo-ttft=900"], graded=True) == []
+    assert slo_args(tmp_path, [], graded=False) == []
+    assert parse_args(["--flying-graded-slos"]).flying_graded_slos
+    assert not parse_args([]).flying_graded_slos  # the node derives its own by default

@@ -10,16 +10,16 @@ plots is written. Runs:
   the Flying plugin only provides the CPU platform.
 - ``static-tp``: ``--tp-size N --dp-size 1``: one SGLang replica sharded N ways.
 - ``flying``: ``--dp-size N`` plus whatever ``--flying-args`` says; the report shows what it
-  measured, whatever mode its engines ran in. Once a static TP run of the comparison has
-  finished, the Flying run is given the SLOs ``workloads.targets`` grades goodput at
-  (``workloads.comparisons.graded_slos``; ``--flying-own-slos``: it derives its own).
+  measured, whatever mode its engines ran in. With ``--flying-graded-slos`` it is given the
+  SLOs ``workloads.targets`` grades goodput at, once a static TP run of the comparison has
+  given them (``workloads.comparisons.graded_slos``); by default it derives its own.
 
 CLI::
 
     python -m workloads.compare --preset cpu-small [--runs static-dp,flying] [--limit 20] \\
         [--arrival gamma --rate 2 --burstiness 0.5] [--goodput ttft:100 tpot:20] \\
         [--model-path DIR] [--engines 2] [--flying-args "..."] [--server-args "..."] [--out DIR]
-        [--rounds N] [--flying-own-slos]
+        [--rounds N] [--flying-graded-slos]
         (every run gets --enable-metrics so responses carry server queue times, and the
         Flying run a decision log, OUT/flying/decisions.jsonl, unless --flying-args names one)
     python -m workloads.compare --report-only DIR   # rebuild report.md from saved runs
@@ -189,10 +189,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help=f"comma list out of {','.join(RUN_NAMES)}")
     parser.add_argument("--flying-args", default="", help="extra flags for the flying run")
     parser.add_argument("--server-args", default="", help="extra SGLang flags for every run")
-    parser.add_argument("--flying-own-slos", action="store_true",
-                        help="let the Flying run derive its own SLOs (by default it is given "
-                        "the ones workloads.targets grades at, once a static TP run of the "
-                        "comparison has given them: workloads.comparisons.graded_slos)")
+    parser.add_argument("--flying-graded-slos", action="store_true",
+                        help="give the Flying run the SLOs workloads.targets grades at, once a "
+                        "static TP run of the comparison has given them (default: the node "
+                        "derives its own; workloads.comparisons.graded_slos)")
     parser.add_argument("--no-queue-metrics", action="store_true",
                         help="do not add --enable-metrics (then no server queue times)")
     parser.add_argument("--out", help="output directory (default results/compare-<time>)")
@@ -306,7 +306,7 @@ def _round(args: argparse.Namespace, out: Path, runs: list[str], command: str,
         flying_args += [DECISION_LOG_FLAG, str(out / "flying" / "decisions.jsonl")]
     results: list[RunResult] = []
     for name in runs:
-        given = slo_args(out, flying_args, args.flying_own_slos) if name == "flying" else []
+        given = slo_args(out, flying_args, args.flying_graded_slos) if name == "flying" else []
         if given:
             log(f"flying: given the SLOs workloads.targets grades at: {shlex.join(given)}")
         launch = run_args(name, model_path, args.engines, server_args, flying_args + given)
