@@ -16,17 +16,16 @@ once a static TP run of the comparison has given them (the systems' order rotate
 a round whose Flying run comes first is given the earlier rounds'); SLO flags in
 ``--flying-args`` win. Not the default: the policy's rules were measured at the node's
 own SLOs, and at the looser graded ones other paths decide (session 80, BENCHMARKS.md:
-h1024 cpu-burst 0.79 -> 1.00, Azure code replay 1.27 -> 0.72 in one round, a switch to
-DP for latency in a clump).
+h1024 cpu-burst 0.79 -> 1.00, the Azure code replay 1.27 -> 0.63, a switch to DP for
+latency in a clump).
 """
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 from workloads.measure.records import RequestRecord, load_records
-from workloads.reports.slo_stats import quiet_slos
+from workloads.reports.slo_stats import quiet_slos, round_dirs
 
 #: The launcher's SLO flags: present in ``--flying-args``, they are the run's.
 SLO_FLAGS = ("--flying-slo-ttft", "--flying-slo-tpot")
@@ -34,16 +33,12 @@ SLO_FLAGS = ("--flying-slo-ttft", "--flying-slo-tpot")
 #: without it (Poisson, a replayed trace) is graded on all of static TP's requests.
 QUIET = "low"
 
-_ROUND = re.compile(r"round\d+")
-
-
 def static_tp_records(out: Path) -> list[RequestRecord]:
     """Static TP's records of the comparison ``out`` belongs to: ``out``'s own and,
     for a round of ``workloads.compare --rounds``, every other round's run so far."""
     dirs = [out]
-    if _ROUND.fullmatch(out.name):
-        dirs += [d for d in sorted(out.parent.iterdir()) if d != out and d.is_dir()
-                 and _ROUND.fullmatch(d.name)]
+    if out in round_dirs(out.parent):
+        dirs += [d for d in round_dirs(out.parent) if d != out]
     records: list[RequestRecord] = []
     for d in dirs:
         path = d / "static-tp" / "records.jsonl"
@@ -55,7 +50,7 @@ def static_tp_records(out: Path) -> list[RequestRecord]:
 def graded_slos(out: Path) -> tuple[float, float] | None:
     """(TTFT, TPOT) in ms that ``workloads.targets`` would grade the comparison ``out``
     at from the static TP runs finished so far; None before any has finished."""
-    records = [r for r in static_tp_records(out) if r.success]
+    records = static_tp_records(out)
     if not records:
         return None
     quiet = QUIET if any(r.phase == QUIET for r in records) else None
