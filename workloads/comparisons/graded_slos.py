@@ -36,9 +36,8 @@ QUIET = "low"
 def static_tp_records(out: Path) -> list[RequestRecord]:
     """Static TP's records of the comparison ``out`` belongs to: ``out``'s own and,
     for a round of ``workloads.compare --rounds``, every other round's run so far."""
-    dirs = [out]
-    if out in round_dirs(out.parent):
-        dirs += [d for d in round_dirs(out.parent) if d != out]
+    rounds = round_dirs(out.parent)
+    dirs = rounds if out in rounds else [out]
     records: list[RequestRecord] = []
     for d in dirs:
         path = d / "static-tp" / "records.jsonl"
