@@ -43,6 +43,7 @@ from flying.session.drain import scheduler_form as _form
 from flying.session.faults import FaultSwitch, step_delays
 from flying.session.group import DP, GroupSession, Mode, State
 from flying.session.lifecycle import Lifecycle
+from flying.session.load_refresh import LoadRefresh
 from flying.session.messages import Bind
 from flying.session.step_costs import StepClock, sample_of
 from flying.substrate.comm_pool import CommPool
@@ -91,6 +92,8 @@ class FlyingEngine(Lifecycle, Drain):
         #: when the loop last took input (``time.time``): the load snapshot's timestamp
         #: (``count_load``); 0.0 before the first
         self.received_at = 0.0
+        #: publishes the load snapshot between SGLang's own in long DP decodes
+        self.load_refresh = LoadRefresh()
         #: when this engine's session last wanted to move to DP (``time.time``): policy
         #: binds issued before are voted down (``hand_back.stale``)
         self.left_at = 0.0
@@ -333,7 +336,9 @@ class FlyingEngine(Lifecycle, Drain):
         if batch is not None and batch.forward_mode.is_extend() and (not in_group or s.is_leader):
             self.counters.prefill_tokens += int(batch.extend_num_tokens or 0)
         if not in_group:
-            return original(scheduler, batch, result)
+            out = original(scheduler, batch, result)
+            self.load_refresh.after_step(scheduler, self.publish_load)
+            return out
         if s.failure is not None:
             return None
         try:
