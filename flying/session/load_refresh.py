@@ -5,10 +5,12 @@ DP controller and so the adaptive policy read at every arrival) after every pref
 and idle step, but after a decode step only every ``--load-snapshot-publish-interval``
 steps (15 by default). On a GPU that is a fraction of a second; on a slow model it is
 seconds: hidden-1024 model on this CPU, cpu-burst's drain, decode steps of 300-400 ms
-at 50 requests an engine, and the policy read the same running and waiting counts
-(18-42 running, 60-67 waiting) for 6.7 s while the queue drained (session 80's logs).
-A stale queue holds a switch that waits for it (``SwitchCharge._waits_for_queue``) and
-charges every prediction a backlog that is gone.
+at 50 requests an engine: 4.5-6 s between snapshots, and the policy read the same
+running and waiting counts (18-42 running, 60-67 waiting) for 6.7 s in a drain (session
+80's logs). A stale queue holds a switch that waits for it
+(``SwitchCharge._waits_for_queue``) and charges every prediction a backlog that is gone.
+(One long step is stale too, and nothing here helps it: no snapshot comes from inside a
+prefill of 30 requests, 5-9 s on that model.)
 
 So after a DP step that SGLang did not publish, the engine publishes if the last
 publish is ``REFRESH_S`` old or more: at most one extra snapshot per ``REFRESH_S``

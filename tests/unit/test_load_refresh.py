@@ -70,3 +70,34 @@ def test_between_fast_and_slow_at_most_one_extra_per_interval():
 def test_no_writer_no_publish():
     refresh = LoadRefresh(0.25, Clock())
     assert not refresh.after_step(SimpleNamespace(), lambda s: pytest.fail("published"))
+
+
+def test_a_dp_step_of_the_engine_publishes_when_its_snapshot_is_old():
+    """The engine's hook on SGLang's ``process_batch_result`` runs SGLang's own, then the
+    refresh: a DP step 0.3 s after the last publish publishes (force=True), the next
+    step right after it does not."""
+    from flying.session.engine import FlyingEngine
+
+    clock = Clock()
+    engine = FlyingEngine(dp_rank=0, pool=None, bind_timeout_s=1.0)
+    engine.load_refresh = LoadRefresh(0.25, clock)
+    forced = []
+    writer = SimpleNamespace(publish_counter=0)
+
+    def publish_load_snapshot(force=False):
+        forced.append(force)
+        writer.publish_counter = 0
+
+    scheduler = SimpleNamespace(load_snapshot_writer=writer,
+                                publish_load_snapshot=publish_load_snapshot)
+
+    def original(sched, batch, result):  # SGLang's: a decode step it does not publish
+        writer.publish_counter += 1
+        return "processed"
+
+    clock.t += 0.3
+    assert engine.process_batch_result(scheduler, original, None, None) == "processed"
+    assert forced == [True]
+    clock.t += 0.01
+    engine.process_batch_result(scheduler, original, None, None)
+    assert forced == [True]
