@@ -259,7 +259,7 @@ class FlyingEngine(Lifecycle, Drain):
             if not s.scope.entered:  # DP state (not the boundary that just bound it)
                 s.dp_arrived = s.dp_work and (s.dp_arrived or bool(scheduler.waiting_queue))
             # a kept result: DP work goes after the group step that announces it
-            if s.dp_turn and s.dp_work and not self.result.kept:
+            if s.dp_turn and s.dp_work and not self.result.kept and not self._moves_first(s):
                 s.dp_turn = False
                 plan = self._dp_step(scheduler, s, original)
                 if plan is not None:
@@ -267,9 +267,22 @@ class FlyingEngine(Lifecycle, Drain):
             plan = self._tp_boundary(scheduler, s, original)
             if plan is not None:
                 return plan
+            if self.session is None:  # ended here: its stale binds join this DP step
+                self._vote_down_stale(scheduler)
         plan = _form(scheduler, original)
         self.publish(scheduler, plan=plan)  # cheap unless due: /flying/status stays current
         return plan
+
+    def _moves_first(self, s) -> bool:
+        """DP requests arrived here that the group has not heard of (``dp_arrived``, not
+        yet in an exchange) and the session may move to DP: the TP boundary comes
+        before this member's DP step. Its offer tells every member, and the group's
+        requests move (or are handed back) there, so the DP step that follows prefills
+        the arrivals with the group's unstarted work and decodes the moved requests,
+        instead of the group's requests waiting out a DP prefill on each member first
+        (hidden-1024 model, cpu-burst: 5-9 s each). Once per move attempt: the next
+        exchange carries the arrival, and a refused move waits ``move.RETRY_STEPS``."""
+        return s.dp_arrived and not s.shared.dp_arrived and self._may_move(s)
 
     def _vote_down_stale(self, scheduler) -> None:
         """Vote down the stale binds at the head of ``pending`` (``hand_back.stale``) in

@@ -25,8 +25,10 @@ What the real node does with a decision, as ``flying.session`` does it:
   session or waiting since before it, to be prefilled between group steps; the member
   keeps the mark while it has DP work). DP requests already running there when it bound
   (preempted ones, or requests an earlier session moved there) are served one DP step
-  between group steps and move nothing. The members learn the marks in the step
-  exchange, so a session acts on them one group step later (``Shared.dp_arrived``).
+  between group steps and move nothing. The members learn the marks in the boundary's
+  offer (``exchange.offer``), so a session acts on them at the boundary after the
+  arrival; a member whose arrival the session has not heard of goes to that boundary
+  before its DP step (``FlyingEngine._moves_first``).
 
 SGLang's overlap loop (``Profile.overlap``): a DP step outside sessions hands its
 tokens to the client when the engine's next step ends (``Batcher.reveal``); at a
@@ -217,7 +219,8 @@ class SimNode:
             e.dp_arrived = e.dp.has_work() and (e.dp_arrived or bool(e.dp.waiting))
             if e.dp_turn:
                 e.dp_turn = False  # not while a group result is kept: after the next step
-                if e.dp.has_work() and not s.server.unseen and self._dp_step(e):
+                if (e.dp.has_work() and not s.server.unseen and not self._moves_first(e, s)
+                        and self._dp_step(e)):
                     return
             e.state = "wait"
             self._group_boundary(s)
@@ -315,10 +318,10 @@ class SimNode:
             return
         again = True  # a boundary without a batch but with offers forms once more
         while True:
-            # DP requests arrived at a member (shared by the last step's exchange): a
-            # session that may hand its requests to DP moves them
-            wants_move = (s.arrived and relayout.may_move(self.move_to_dp, s.reasons)
-                          and s.tp_steps >= s.retry_at)
+            # DP requests arrived at a member (shared by the boundary's offer,
+            # ``exchange.offer``): a session that may hand its requests to DP moves them
+            wants_move = ((s.arrived or any(m.dp_arrived for m in s.members))
+                          and self._may_move(s))
             # the binds pending now, offered and admitted before the batch is formed
             # (``Lifecycle._tp_form``, ``exchange.offer``)
             if s.admitting and not wants_move:
@@ -349,6 +352,14 @@ class SimNode:
         for m in s.members:
             m.state = "group"
         self.loop.at(self.loop.now + ms / 1000.0, self._group_done, s, step)
+
+    def _may_move(self, s: Session) -> bool:
+        return relayout.may_move(self.move_to_dp, s.reasons) and s.tp_steps >= s.retry_at
+
+    def _moves_first(self, e: Engine, s: Session) -> bool:
+        """``FlyingEngine._moves_first``: DP work arrived here that the session has not
+        heard of, and it may move: the group boundary comes before the DP step."""
+        return e.dp_arrived and not s.arrived and self._may_move(s)
 
     def _holds(self, s: Session, head: Bind) -> bool:
         """``Lifecycle._holds``: whether the group's leader holds its queue's head arrival
