@@ -40,8 +40,9 @@ keeps or changes its layout:
   keep ``HOLD`` of itself at the costs the steps run at now; a change for latency must
   not lose goodput and must be ``latency_gain`` faster than the current layout, into
   groups or out of them (``_latency_saved``), and a layout is kept at least
-  ``DWELL_S`` seconds (unless another predicts over ``DWELL_BREAK`` x its goodput), so
-  a steady rate near the crossover does not flap; a layout with groups is left for its
+  ``DWELL_S`` seconds (unless another predicts over ``DWELL_BREAK`` x its goodput, or
+  it is saturated: then the overload's throughput rule decides), so a steady rate near
+  the crossover does not flap; a layout with groups is left for its
   tails alone only past ``TAIL_LEAVE`` (above the bar to enter it), at the rate and at
   the upper edge of its band (where DP's tail is longest), and only for DP; it is left
   for DP too where its groups stream slower than DP engines at the costs the steps ran
@@ -279,9 +280,20 @@ class LayoutChooser(SwitchCharge):
         return briefs
 
     def _dwells(self, now: float, cur: Prediction, new: Prediction) -> bool:
-        """The current layout is held: taken under ``DWELL_S`` ago, and the other does
-        not predict over ``DWELL_BREAK`` x its goodput."""
-        return now - self.since < DWELL_S and new.goodput <= DWELL_BREAK * cur.goodput
+        """The current layout is held: taken under ``DWELL_S`` ago, not saturated, and
+        the other does not predict over ``DWELL_BREAK`` x its goodput.
+
+        Not a saturated one: past saturation each second in the layout that serves
+        less adds to the queue every later request waits behind, and both layouts
+        predict ~0 goodput there, so the goodput ratio never broke the dwell. What
+        keeps a saturated node from flapping is the overload's own rule (another
+        layout's throughput must be ``GOODPUT_MARGIN`` ahead, and repay the switch).
+        (Hidden-768 model, cpu-burst, session 82: a group taken for latency 0.8 s
+        before a burst was held 4.3 s into it, 78 requests placed in it, while DP was
+        predicted to serve 50 % more; then switched to DP, as it would have been at
+        the burst's first evaluation.)"""
+        return (now - self.since < DWELL_S and not cur.saturated
+                and new.goodput <= DWELL_BREAK * cur.goodput)
 
     def _choose(self, now: float, costs: Costs, traffic: Traffic, running: int, queued: int,
                 slo: Slo, switch: SwitchCosts) -> Choice:

@@ -61,6 +61,10 @@ DEFAULT_BIND_TIMEOUT_S = 30.0
 #: Each refresh builds the document and writes it to the node's status board
 #: (``flying.substrate.status_board``: a memory copy, no system call).
 STATUS_EVERY_S = 0.5
+#: DP steps a session may put after its TP boundary for a move (``_moves_first``): the
+#: boundary the arrival is shared at, and one more where that one followed a group
+#: prefill (the move needs every request decoding)
+MOVES_FIRST = 2
 
 
 class FlyingEngine(Lifecycle, Drain):
@@ -259,11 +263,14 @@ class FlyingEngine(Lifecycle, Drain):
             if not s.scope.entered:  # DP state (not the boundary that just bound it)
                 s.dp_arrived = s.dp_work and (s.dp_arrived or bool(scheduler.waiting_queue))
             # a kept result: DP work goes after the group step that announces it
-            if s.dp_turn and s.dp_work and not self.result.kept and not self._moves_first(s):
-                s.dp_turn = False
-                plan = self._dp_step(scheduler, s, original)
-                if plan is not None:
-                    return plan
+            if s.dp_turn and s.dp_work and not self.result.kept:
+                if self._moves_first(s):
+                    s.moves_first += 1
+                else:
+                    s.dp_turn = False
+                    plan = self._dp_step(scheduler, s, original)
+                    if plan is not None:
+                        return plan
             plan = self._tp_boundary(scheduler, s, original)
             if plan is not None:
                 return plan
@@ -274,15 +281,16 @@ class FlyingEngine(Lifecycle, Drain):
         return plan
 
     def _moves_first(self, s) -> bool:
-        """DP requests arrived here that the group has not heard of (``dp_arrived``, not
-        yet in an exchange) and the session may move to DP: the TP boundary comes
-        before this member's DP step. Its offer tells every member, and the group's
-        requests move (or are handed back) there, so the DP step that follows prefills
-        the arrivals with the group's unstarted work and decodes the moved requests,
-        instead of the group's requests waiting out a DP prefill on each member first
-        (hidden-1024 model, cpu-burst: 5-9 s each). Once per move attempt: the next
-        exchange carries the arrival, and a refused move waits ``move.RETRY_STEPS``."""
-        return s.dp_arrived and not s.shared.dp_arrived and self._may_move(s)
+        """DP requests arrived here and the session may move to DP: the TP boundary
+        comes before this member's DP step. Its offer tells every member, and the
+        group's requests move (or are handed back) there, so the DP step that follows
+        prefills the arrivals with the group's unstarted work and decodes the moved
+        requests, instead of the group's requests waiting out a DP prefill on each
+        member first (hidden-1024 model, cpu-burst: 5-9 s each, twice). At most
+        ``MOVES_FIRST`` DP steps per session wait so: a move is not ready right after
+        a group prefill (its requests join the running batch at the next step), and
+        one refused waits ``move.RETRY_STEPS`` with DP steps between."""
+        return s.dp_arrived and self._may_move(s) and s.moves_first < MOVES_FIRST
 
     def _vote_down_stale(self, scheduler) -> None:
         """Vote down the stale binds at the head of ``pending`` (``hand_back.stale``) in

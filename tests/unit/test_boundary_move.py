@@ -17,7 +17,7 @@ import pytest
 
 from flying.session import exchange, lifecycle
 from flying.session.admission import bind_key
-from flying.session.engine import FlyingEngine
+from flying.session.engine import MOVES_FIRST, FlyingEngine
 from flying.session.group import GroupSession
 
 pytestmark = pytest.mark.unit
@@ -108,13 +108,24 @@ def test_a_session_that_may_not_move_keeps_admitting(monkeypatch):
     assert not calls["moved"]
 
 
-def test_the_tp_boundary_comes_first_only_for_an_arrival_the_group_has_not_heard_of():
+def test_the_tp_boundary_comes_first_for_at_most_two_dp_steps_a_session():
+    """The arrival's boundary, and one more where the move was not ready there (right
+    after a group prefill); then the DP steps run between group steps as before."""
     engine = _engine()
     assert engine._moves_first(_session(dp_arrived=True))
-    assert not engine._moves_first(_session(dp_arrived=True, shared_arrived=1))  # heard: DP step
+    assert engine._moves_first(_session(dp_arrived=True, shared_arrived=1))  # heard, not moved
+    s = _session(dp_arrived=True)
+    s.moves_first = MOVES_FIRST
+    assert not engine._moves_first(s)
     assert not engine._moves_first(_session(dp_arrived=False))
     s = _session(dp_arrived=True)
     s.move_retry_at = 8  # a refused move waits its retry steps: DP work runs meanwhile
     assert not engine._moves_first(s)
     engine.move_to_dp = "off"
     assert not engine._moves_first(_session(dp_arrived=True))
+
+
+def test_the_simulator_puts_as_many_dp_steps_after_a_move():
+    from workloads.sim import node
+
+    assert node.MOVES_FIRST == MOVES_FIRST

@@ -637,6 +637,20 @@ def test_a_saturated_layout_is_left_within_its_dwell_and_despite_its_running_req
     assert _choose(_chooser(TP8, preds, TP2, since=-1.0), running=500, rate=50.0) == "1xTP8"
 
 
+def test_past_saturation_the_dwell_does_not_hold_the_layout_serving_less():
+    """A group taken for latency just before a burst, then both layouts saturated:
+    each predicts ~0 within SLO, so the goodput ratio never broke the dwell, and the
+    group was held 4.3 s into the burst while DP served 50 % more (hidden-768,
+    cpu-burst, session 82). Within the dwell the overload's own rule decides now:
+    DP here (1.5x the throughput); a group serving more than DP is kept."""
+    def preds(dp_tok_s: float) -> dict[Layout, Prediction]:
+        return {DP8: Prediction("8xDP", 9000.0, 60.0, 0.0, dp_tok_s, True, (6.0, 6.0)),
+                TP8: Prediction("1xTP8", 12000.0, 50.0, 0.0, 1000.0, True, (6.0, 6.0))}
+
+    assert _choose(_chooser(TP8, preds(1500.0), DP8, since=-1.0), running=2, rate=50.0) == "8xDP"
+    assert _choose(_chooser(TP8, preds(800.0), DP8, since=-1.0), running=2, rate=50.0) == "1xTP8"
+
+
 def test_the_tail_rule_leaves_for_dp_only_and_past_a_wider_margin():
     """Equal goodput at light load: a group layout is left for its predicted p99 gap
     only where it is past ``TAIL_LEAVE`` x DP's (1.17x stays, 1.5x leaves; its latency is
