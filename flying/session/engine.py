@@ -61,10 +61,6 @@ DEFAULT_BIND_TIMEOUT_S = 30.0
 #: Each refresh builds the document and writes it to the node's status board
 #: (``flying.substrate.status_board``: a memory copy, no system call).
 STATUS_EVERY_S = 0.5
-#: DP steps a session may put after its TP boundary for a move (``_moves_first``): the
-#: boundary the arrival is shared at, and one more where that one followed a group
-#: prefill (the move needs every request decoding)
-MOVES_FIRST = 2
 
 
 class FlyingEngine(Lifecycle, Drain):
@@ -264,13 +260,10 @@ class FlyingEngine(Lifecycle, Drain):
                 s.dp_arrived = s.dp_work and (s.dp_arrived or bool(scheduler.waiting_queue))
             # a kept result: DP work goes after the group step that announces it
             if s.dp_turn and s.dp_work and not self.result.kept:
-                if self._moves_first(s):
-                    s.moves_first += 1
-                else:
-                    s.dp_turn = False
-                    plan = self._dp_step(scheduler, s, original)
-                    if plan is not None:
-                        return plan
+                s.dp_turn = False
+                plan = self._dp_step(scheduler, s, original)
+                if plan is not None:
+                    return plan
             plan = self._tp_boundary(scheduler, s, original)
             if plan is not None:
                 return plan
@@ -279,18 +272,6 @@ class FlyingEngine(Lifecycle, Drain):
         plan = _form(scheduler, original)
         self.publish(scheduler, plan=plan)  # cheap unless due: /flying/status stays current
         return plan
-
-    def _moves_first(self, s) -> bool:
-        """DP requests arrived here and the session may move to DP: the TP boundary
-        comes before this member's DP step. Its offer tells every member, and the
-        group's requests move (or are handed back) there, so the DP step that follows
-        prefills the arrivals with the group's unstarted work and decodes the moved
-        requests, instead of the group's requests waiting out a DP prefill on each
-        member first (hidden-1024 model, cpu-burst: 5-9 s each, twice). At most
-        ``MOVES_FIRST`` DP steps per session wait so: a move is not ready right after
-        a group prefill (its requests join the running batch at the next step), and
-        one refused waits ``move.RETRY_STEPS`` with DP steps between."""
-        return s.dp_arrived and self._may_move(s) and s.moves_first < MOVES_FIRST
 
     def _vote_down_stale(self, scheduler) -> None:
         """Vote down the stale binds at the head of ``pending`` (``hand_back.stale``) in

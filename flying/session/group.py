@@ -85,8 +85,6 @@ class GroupSession:
     #: move: each new session would otherwise hand its requests to DP at once.
     dp_arrived: bool = False
     dp_turn: bool = False  # the next boundary runs a DP step if there is DP work
-    #: DP steps this member put after a TP boundary for a move (``FlyingEngine._moves_first``)
-    moves_first: int = 0
     #: boundaries the leader has held the arrival at its queue's head while the running
     #: requests finish (``scheduler.hold``); 0 once it is offered
     held_steps: int = 0

@@ -1,7 +1,6 @@
 """A group boundary where DP work reached a member during the last step
-(``Lifecycle._tp_form``, ``FlyingEngine._moves_first``): the boundary's offer shares
-the arrival, so every member admits none of the binds just offered and the session
-moves to DP at this boundary, before the member's DP step prefills the arrivals.
+(``Lifecycle._tp_form``): the boundary's offer shares the arrival, so every member
+admits none of the binds just offered and the session moves to DP at this boundary.
 
 The collectives, admission, the move and SGLang's batch formation are test doubles
 (the calls ``_tp_form`` makes, recorded); the decision and its order are the engine's
@@ -17,7 +16,7 @@ import pytest
 
 from flying.session import exchange, lifecycle
 from flying.session.admission import bind_key
-from flying.session.engine import MOVES_FIRST, FlyingEngine
+from flying.session.engine import FlyingEngine
 from flying.session.group import GroupSession
 
 pytestmark = pytest.mark.unit
@@ -106,26 +105,3 @@ def test_a_session_that_may_not_move_keeps_admitting(monkeypatch):
     calls = _run(monkeypatch, engine, s, peers_arrived=1)
     assert calls["admitted"] == [bind_key(b) for b in engine.pending]
     assert not calls["moved"]
-
-
-def test_the_tp_boundary_comes_first_for_at_most_two_dp_steps_a_session():
-    """The arrival's boundary, and one more where the move was not ready there (right
-    after a group prefill); then the DP steps run between group steps as before."""
-    engine = _engine()
-    assert engine._moves_first(_session(dp_arrived=True))
-    assert engine._moves_first(_session(dp_arrived=True, shared_arrived=1))  # heard, not moved
-    s = _session(dp_arrived=True)
-    s.moves_first = MOVES_FIRST
-    assert not engine._moves_first(s)
-    assert not engine._moves_first(_session(dp_arrived=False))
-    s = _session(dp_arrived=True)
-    s.move_retry_at = 8  # a refused move waits its retry steps: DP work runs meanwhile
-    assert not engine._moves_first(s)
-    engine.move_to_dp = "off"
-    assert not engine._moves_first(_session(dp_arrived=True))
-
-
-def test_the_simulator_puts_as_many_dp_steps_after_a_move():
-    from workloads.sim import node
-
-    assert node.MOVES_FIRST == MOVES_FIRST

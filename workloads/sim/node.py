@@ -26,9 +26,8 @@ What the real node does with a decision, as ``flying.session`` does it:
   keeps the mark while it has DP work). DP requests already running there when it bound
   (preempted ones, or requests an earlier session moved there) are served one DP step
   between group steps and move nothing. The members learn the marks in the boundary's
-  offer (``exchange.offer``), so a session acts on them at the boundary after the
-  arrival; a member with arrivals goes to that boundary before its DP step, for at
-  most two DP steps a session (``FlyingEngine._moves_first``).
+  offer (``exchange.offer``), so a session acts on them at its first group boundary
+  after the arrival.
 
 SGLang's overlap loop (``Profile.overlap``): a DP step outside sessions hands its
 tokens to the client when the engine's next step ends (``Batcher.reveal``); at a
@@ -60,9 +59,6 @@ from workloads.sim import relayout
 from workloads.sim.batching import Batcher, SimRequest, Step
 from workloads.sim.loop import Loop, assert_no_wait_cycle
 from workloads.sim.profile import Profile
-
-#: ``flying.session.engine.MOVES_FIRST`` (the simulator imports no engine code)
-MOVES_FIRST = 2
 
 #: How a group's steps meet SGLang's overlap loop (module docstring).
 GroupLoop = Literal["normal", "flying", "sglang"]
@@ -97,7 +93,6 @@ class Engine:
         self.dp_turn = False
         #: DP requests arrived here during its session (``GroupSession.dp_arrived``)
         self.dp_arrived = False
-        self.moves_first = 0  # DP steps put after a group boundary for a move
 
     def free(self) -> int:
         return self.kv_total - self.dp_used - self.reserved
@@ -221,9 +216,7 @@ class SimNode:
             # DP state between group steps (the bind's own boundary does not count):
             # a DP request waiting here arrived during the session
             e.dp_arrived = e.dp.has_work() and (e.dp_arrived or bool(e.dp.waiting))
-            if e.dp_turn and e.dp.has_work() and not s.server.unseen and self._moves_first(e, s):
-                e.moves_first += 1  # the group boundary first: the session moves there
-            elif e.dp_turn:
+            if e.dp_turn:
                 e.dp_turn = False  # not while a group result is kept: after the next step
                 if e.dp.has_work() and not s.server.unseen and self._dp_step(e):
                     return
@@ -291,7 +284,6 @@ class SimNode:
         s.extra_ms += self.switch.bind_ms
         for m in members:
             m.session, m.state, m.dp_turn, m.dp_arrived = s, "wait", False, False
-            m.moves_first = 0
         if bind.upgrade is None:
             relayout.join(self, s)
         self._layout()
@@ -361,11 +353,6 @@ class SimNode:
 
     def _may_move(self, s: Session) -> bool:
         return relayout.may_move(self.move_to_dp, s.reasons) and s.tp_steps >= s.retry_at
-
-    def _moves_first(self, e: Engine, s: Session) -> bool:
-        """``FlyingEngine._moves_first``: DP work arrived here and the session may move:
-        the group boundary comes before the DP step, for at most ``MOVES_FIRST`` of them."""
-        return e.dp_arrived and self._may_move(s) and e.moves_first < MOVES_FIRST
 
     def _holds(self, s: Session, head: Bind) -> bool:
         """``Lifecycle._holds``: whether the group's leader holds its queue's head arrival
