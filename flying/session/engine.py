@@ -267,8 +267,6 @@ class FlyingEngine(Lifecycle, Drain):
             plan = self._tp_boundary(scheduler, s, original)
             if plan is not None:
                 return plan
-            if self.session is None:  # ended here: its stale binds join this DP step
-                self._vote_down_stale(scheduler)
         plan = _form(scheduler, original)
         self.publish(scheduler, plan=plan)  # cheap unless due: /flying/status stays current
         return plan

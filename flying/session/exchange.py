@@ -63,21 +63,12 @@ class Shared:
         return not self.busy and not self.offers and not self.aborts
 
 
-def offer(member, offers: list[int], arrived: bool = False) -> tuple[list[int], int]:
+def offer(member, offers: list[int]) -> list[int]:
     """The leader's ``offers`` (bind keys for this session's group, at most
-    ``MAX_ADMITS``) on every member, and how many members have seen DP requests arrive
-    (``GroupSession.dp_arrived``): a boundary's first collective, before its batch is
-    formed, so that every member admits the same binds at this boundary.
-
-    The arrivals are summed here, not only in the step's ``exchange``, so that DP work
-    that reached a member during a long step stops admission at the boundary right
-    after it: learnt from the exchange, it acted a boundary later, after the binds
-    pending meanwhile had been admitted and prefilled in the group (hidden-1024 model,
-    cpu-burst: 17 binds placed just before a switch to DP, two TP prefills of seconds
-    each, then moved)."""
-    shared, n = member.share_ints(_padded(offers[:MAX_ADMITS], MAX_ADMITS), 1 + MAX_ADMITS,
-                                  own=int(arrived))
-    return shared[1 : 1 + shared[0]], n
+    ``MAX_ADMITS``) on every member: a boundary's first collective, before its batch is
+    formed, so that every member admits the same binds at this boundary."""
+    shared, _ = member.share_ints(_padded(offers[:MAX_ADMITS], MAX_ADMITS), 1 + MAX_ADMITS)
+    return shared[1 : 1 + shared[0]]
 
 
 def signature(batch) -> list[int]:

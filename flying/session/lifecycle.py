@@ -225,15 +225,7 @@ class Lifecycle(Release):
         candidates = admission.candidates(self.pending, s.bind) if admitting else []
         if candidates and s.is_leader and self._holds(scheduler, s):
             candidates = []  # offered (and admitted) once the running requests are done
-        offers, arrived = exchange.offer(s.member, candidates, s.dp_arrived)
-        if arrived and not wants_move and self._may_move(s):
-            # DP work reached a member since the last exchange: the session moves from
-            # this boundary, admitting none of the binds just offered (they are stale
-            # now: voted down and served in DP, ``hand_back``)
-            wants_move, offers = True, []
-            self.left_at = time.time()
-            if self.result.kept:  # the move needs the last group step's tokens
-                self.result.process(scheduler)
+        offers = exchange.offer(s.member, candidates)
         if offers:
             if offers[0] >= admission.UPGRADE_OFFER and self.result.kept:
                 self.result.process(scheduler)  # an upgrade leaves the TP state: no kept step

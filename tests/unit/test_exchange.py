@@ -47,7 +47,7 @@ def test_a_boundary_offer_is_the_leaders_and_capped():
             assert len(values) == n == 1 + exchange.MAX_ADMITS
             return [2, 21, 22, *[0] * (n - 3)], own
 
-    assert exchange.offer(_Wire(), [5, 6, 7]) == ([21, 22], 0)
+    assert exchange.offer(_Wire(), [5, 6, 7]) == [21, 22]
     many = list(range(1, exchange.MAX_ADMITS + 20))
 
     class _Echo(_Wire):
@@ -56,22 +56,8 @@ def test_a_boundary_offer_is_the_leaders_and_capped():
         def share_ints(self, values, n, own=0):
             return list(values), own
 
-    assert exchange.offer(_Echo(), many) == (many[: exchange.MAX_ADMITS], 0)
-    assert exchange.offer(_Echo(), []) == ([], 0)
-
-
-def test_a_boundary_offer_counts_the_members_dp_arrivals():
-    """The offer sums each member's DP arrival (the peer's 1 here), so every member
-    learns of DP work at the boundary, before anything is admitted."""
-
-    class _Peer:
-        tp_rank = 1
-
-        def share_ints(self, values, n, own=0):
-            return [1, 9, *[0] * (n - 2)], own + 1
-
-    assert exchange.offer(_Peer(), [], arrived=True) == ([9], 2)
-    assert exchange.offer(_Peer(), []) == ([9], 1)
+    assert exchange.offer(_Echo(), many) == many[: exchange.MAX_ADMITS]
+    assert exchange.offer(_Echo(), []) == []
 
 
 def test_each_count_is_its_own_across_members():

@@ -25,9 +25,8 @@ What the real node does with a decision, as ``flying.session`` does it:
   session or waiting since before it, to be prefilled between group steps; the member
   keeps the mark while it has DP work). DP requests already running there when it bound
   (preempted ones, or requests an earlier session moved there) are served one DP step
-  between group steps and move nothing. The members learn the marks in the boundary's
-  offer (``exchange.offer``), so a session acts on them at its first group boundary
-  after the arrival.
+  between group steps and move nothing. The members learn the marks in the step
+  exchange, so a session acts on them one group step later (``Shared.dp_arrived``).
 
 SGLang's overlap loop (``Profile.overlap``): a DP step outside sessions hands its
 tokens to the client when the engine's next step ends (``Batcher.reveal``); at a
@@ -316,10 +315,10 @@ class SimNode:
             return
         again = True  # a boundary without a batch but with offers forms once more
         while True:
-            # DP requests arrived at a member (shared by the boundary's offer,
-            # ``exchange.offer``): a session that may hand its requests to DP moves them
-            wants_move = ((s.arrived or any(m.dp_arrived for m in s.members))
-                          and self._may_move(s))
+            # DP requests arrived at a member (shared by the last step's exchange): a
+            # session that may hand its requests to DP moves them
+            wants_move = (s.arrived and relayout.may_move(self.move_to_dp, s.reasons)
+                          and s.tp_steps >= s.retry_at)
             # the binds pending now, offered and admitted before the batch is formed
             # (``Lifecycle._tp_form``, ``exchange.offer``)
             if s.admitting and not wants_move:
@@ -350,9 +349,6 @@ class SimNode:
         for m in s.members:
             m.state = "group"
         self.loop.at(self.loop.now + ms / 1000.0, self._group_done, s, step)
-
-    def _may_move(self, s: Session) -> bool:
-        return relayout.may_move(self.move_to_dp, s.reasons) and s.tp_steps >= s.retry_at
 
     def _holds(self, s: Session, head: Bind) -> bool:
         """``Lifecycle._holds``: whether the group's leader holds its queue's head arrival
