@@ -258,7 +258,6 @@ class FlyingEngine(Lifecycle, Drain):
             s.dp_held = s.dp_held and s.dp_work
             if not s.scope.entered:  # DP state (not the boundary that just bound it)
                 s.dp_arrived = s.dp_work and (s.dp_arrived or bool(scheduler.waiting_queue))
-                s.dp_queued = bool(scheduler.waiting_queue) or scheduler.chunked_req is not None
             # a kept result: DP work goes after the group step that announces it
             if s.dp_turn and s.dp_work and not self.result.kept:
                 s.dp_turn = False

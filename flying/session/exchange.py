@@ -55,10 +55,6 @@ class Shared:
     #: session's request that outgrows it (``flying.session.regroup``): at m of m the
     #: request is parked at the next boundary, on every member alike
     parking: int = 0
-    #: members with DP requests waiting for their prefill at this boundary (the DP
-    #: state's queue, read before the group step): a move to DP waits while any has
-    #: (``GroupSession.dp_queued``)
-    dp_queued: int = 0
 
     @property
     def done(self) -> bool:
@@ -87,27 +83,25 @@ def _padded(values: list[int], width: int) -> list[int]:
     return [len(values), *values, *[0] * (width - len(values))]
 
 
-#: the summed ``own`` carries six counts, a byte each: DP work, busy, DP held for KV,
-#: DP arrivals, parking, DP queued (``Member.share_ints`` keeps all 48 bits exact)
+#: the summed ``own`` carries five counts, a byte each: DP work, busy, DP held for KV,
+#: DP arrivals, parking (``Member.share_ints`` keeps all 48 bits exact)
 _BUSY = 1 << 8
 _HELD = 1 << 16
 _ARRIVED = 1 << 24
 _PARKING = 1 << 32
-_QUEUED = 1 << 40
 
 
 def exchange(
     member, batch, offers: list[int], aborts: list[int], dp_work: bool, busy: bool,
     dp_held: bool = False, dp_arrived: bool = False, parking: bool = False,
-    dp_queued: bool = False,
 ) -> Shared:
     """One collective: check lockstep, learn the leader's offers and aborts, and how many
-    members have DP work waiting, session work left, DP requests held for KV, DP
-    requests that arrived during the session, or DP requests queued for a prefill."""
+    members have DP work waiting, session work left, DP requests held for KV, or DP
+    requests that arrived during the session."""
     mine = signature(batch)
     values = mine + _padded(offers[:MAX_OFFERS], MAX_OFFERS) + _padded(aborts[:MAX_ABORTS], MAX_ABORTS)
     own = (int(dp_work) + _BUSY * int(busy) + _HELD * int(dp_held)
-           + _ARRIVED * int(dp_arrived) + _PARKING * int(parking) + _QUEUED * int(dp_queued))
+           + _ARRIVED * int(dp_arrived) + _PARKING * int(parking))
     shared, own = member.share_ints(values, WIDTH, own=own)
     if shared[:SIG] != mine:
         raise LockstepError(
@@ -116,5 +110,5 @@ def exchange(
         )
     o = SIG
     a = o + 1 + MAX_OFFERS
-    counts = [own // unit % 256 for unit in (1, _BUSY, _HELD, _ARRIVED, _PARKING, _QUEUED)]
+    counts = [own // unit % 256 for unit in (1, _BUSY, _HELD, _ARRIVED, _PARKING)]
     return Shared(shared[o + 1 : o + 1 + shared[o]], shared[a + 1 : a + 1 + shared[a]], *counts)

@@ -84,10 +84,6 @@ class GroupSession:
     #: an earlier session moved here) are served between group steps, not a reason to
     #: move: each new session would otherwise hand its requests to DP at once.
     dp_arrived: bool = False
-    #: this member's DP requests wait for their prefill (seen at the last boundary, in
-    #: the DP state): a session's move to DP waits until no member's do, so its requests
-    #: are not moved into the DP engines' prefill streak (``Lifecycle._tp_form``)
-    dp_queued: bool = False
     dp_turn: bool = False  # the next boundary runs a DP step if there is DP work
     #: boundaries the leader has held the arrival at its queue's head while the running
     #: requests finish (``scheduler.hold``); 0 once it is offered

@@ -207,18 +207,11 @@ class Lifecycle(Release):
                 scheduler, containment.session_reqs(scheduler), shared.aborts
             )
         # DP requests arrived at a member: a session that may hand its requests to DP
-        # moves them once no member's DP requests wait for their prefill (every member
-        # decides alike: shared values, lockstep). SGLang prefills every waiting
-        # request before it decodes, so requests moved into a burst's prefill streak
-        # wait out all of it, where between group steps they get a token after each
-        # DP step (h768 cpu-burst, session 82: moving them at the burst's first
-        # arrival took burst TTFT p90 from 6.3-7.2 s to 8.0-9.5 s, the longest gap
-        # from 5.8-8.6 s to 8.7-11.9 s). Any session (unless moves are off) yields when
-        # a member's DP requests need the KV it reserved there; while they do, it
-        # takes no one new.
+        # moves them now (every member decides alike: shared values, lockstep). Any
+        # session (unless moves are off) yields when a member's DP requests need the KV
+        # it reserved there; while they do, it takes no one new.
         held = bool(shared.dp_held)
-        arrived = bool(shared.dp_arrived) and not shared.dp_queued
-        wants_move = (arrived and self._may_move(s)) or (
+        wants_move = (bool(shared.dp_arrived) and self._may_move(s)) or (
             held and self.move_to_dp != "off" and s.tp_steps >= s.move_retry_at
         )
         if wants_move:  # binds issued before now would form a group beside DP work
@@ -270,7 +263,7 @@ class Lifecycle(Release):
         )
         busy = bool(scheduler.waiting_queue) or not scheduler.running_batch.is_empty()
         s.shared = exchange.exchange(s.member, batch, offers, due, s.dp_work, busy, s.dp_held,
-                                     s.dp_arrived, regroup.parking(self, s), s.dp_queued)
+                                     s.dp_arrived, regroup.parking(self, s))
         if batch is not None:
             s.idle_steps = 0
             s.tp_steps += 1

@@ -61,10 +61,9 @@ def test_a_boundary_offer_is_the_leaders_and_capped():
 
 
 def test_each_count_is_its_own_across_members():
-    """DP work, busy, held, arrived, parking and queued are six counts summed over the
-    members: a member with DP work that arrived during the session is told apart from
-    one whose DP requests were there before (moved in by an earlier session), and one
-    whose arrivals still wait for their prefill from one whose were prefilled."""
+    """DP work, busy, held and arrived are four counts summed over the members: a
+    member with DP work that arrived during the session is told apart from one whose
+    DP requests were there before (moved in by an earlier session)."""
     other = 1 + (1 << 24)  # the peer: DP work, arrived during the session
     got = exchange.exchange(_Leader(others_own=other), None, [], [], True, True, True, False)
     assert (got.dp_waiting, got.busy, got.dp_held, got.dp_arrived) == (2, 1, 1, 1)
@@ -73,9 +72,6 @@ def test_each_count_is_its_own_across_members():
     parking = exchange.exchange(_Leader(others_own=other + (1 << 32)), None, [], [], False,
                                 True, parking=True)
     assert (parking.parking, parking.dp_arrived, parking.dp_waiting) == (2, 1, 1)
-    queued = exchange.exchange(_Leader(others_own=other + (1 << 40)), None, [], [], True,
-                               True, dp_arrived=True)
-    assert (queued.dp_queued, queued.dp_arrived, queued.parking) == (1, 2, 0)
 
 
 def test_session_ends_only_when_no_member_is_busy():

@@ -23,8 +23,7 @@ What the real node does with a decision, as ``flying.session`` does it:
   DP requests arrived at a member during it (``GroupSession.dp_arrived``: at one of the
   member's boundaries after the bind, a DP request waiting there, dispatched during the
   session or waiting since before it, to be prefilled between group steps; the member
-  keeps the mark while it has DP work), once no member's DP requests wait for their
-  prefill (``GroupSession.dp_queued``). DP requests already running there when it bound
+  keeps the mark while it has DP work). DP requests already running there when it bound
   (preempted ones, or requests an earlier session moved there) are served one DP step
   between group steps and move nothing. The members learn the marks in the step
   exchange, so a session acts on them one group step later (``Shared.dp_arrived``).
@@ -93,8 +92,6 @@ class Engine:
         self.dp_turn = False
         #: DP requests arrived here during its session (``GroupSession.dp_arrived``)
         self.dp_arrived = False
-        #: DP requests wait here for their prefill (``GroupSession.dp_queued``)
-        self.dp_queued = False
 
     def free(self) -> int:
         return self.kv_total - self.dp_used - self.reserved
@@ -218,7 +215,6 @@ class SimNode:
             # DP state between group steps (the bind's own boundary does not count):
             # a DP request waiting here arrived during the session
             e.dp_arrived = e.dp.has_work() and (e.dp_arrived or bool(e.dp.waiting))
-            e.dp_queued = bool(e.dp.waiting) or e.dp.chunk is not None
             if e.dp_turn:
                 e.dp_turn = False  # not while a group result is kept: after the next step
                 if e.dp.has_work() and not s.server.unseen and self._dp_step(e):
@@ -287,7 +283,6 @@ class SimNode:
         s.extra_ms += self.switch.bind_ms
         for m in members:
             m.session, m.state, m.dp_turn, m.dp_arrived = s, "wait", False, False
-            m.dp_queued = False
         if bind.upgrade is None:
             relayout.join(self, s)
         self._layout()
@@ -336,9 +331,7 @@ class SimNode:
                     return
                 s.retry_at = s.tp_steps + relayout.RETRY_STEPS
             step = s.server.form(self.loop.now, lambda r: True)  # KV reserved on admission
-            # this step's exchange: arrivals move the session once none waits for a prefill
-            s.arrived = (any(m.dp_arrived for m in s.members)
-                         and not any(m.dp_queued for m in s.members))
+            s.arrived = any(m.dp_arrived for m in s.members)  # this step's exchange
             offered = relayout.offers(s) if s.admitting and not wants_move else []
             if step is not None:
                 break
