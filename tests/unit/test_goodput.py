@@ -651,6 +651,23 @@ def test_past_saturation_the_dwell_does_not_hold_the_layout_serving_less():
     assert _choose(_chooser(TP8, preds(800.0), DP8, since=-1.0), running=2, rate=50.0) == "1xTP8"
 
 
+def test_a_gain_short_of_the_margin_is_a_tie_that_latency_decides():
+    """A goodput gain past ``GOODPUT_TIE`` of the rate but short of ``GOODPUT_MARGIN``
+    is no goodput switch; it is no loss either, so latency decides it as a tie. It
+    kept the layout whatever its latency: the h1024 Azure replay's first 6 s in DP,
+    TP-2 predicted 2 % more goodput and 30 % less TTFT and TPOT (session 83)."""
+    def preds(tp_tpot: float) -> dict[Layout, Prediction]:
+        # at 20 req/s: a gain of 0.5 is past the tie (0.4) and short of the margin (0.975)
+        return {DP8: _pred(DP8, 19.5), TP2: _pred(TP2, 20.0, tpot=tp_tpot)}
+
+    assert _choose(_chooser(DP8, preds(3.0), TP2), running=0) == "4xTP2"
+    # no faster end to end: the layout is kept, as before
+    assert _choose(_chooser(DP8, preds(6.0), TP2), running=0) == "8xDP"
+    # and the way back (DP short of the margin's gain, slower) keeps the group: no flap
+    back = {DP8: _pred(DP8, 20.0), TP2: _pred(TP2, 19.5, tpot=3.0)}
+    assert _choose(_chooser(TP2, back, DP8), running=0) == "4xTP2"
+
+
 def test_the_tail_rule_leaves_for_dp_only_and_past_a_wider_margin():
     """Equal goodput at light load: a group layout is left for its predicted p99 gap
     only where it is past ``TAIL_LEAVE`` x DP's (1.17x stays, 1.5x leaves; its latency is
