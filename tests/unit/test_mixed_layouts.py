@@ -13,7 +13,7 @@ import pytest
 
 from flying.node import config
 from flying.node import controller as flying_controller
-from flying.node.controller import BindIssuer
+from flying.node.bind_issuer import BindIssuer
 from flying.session import messages
 from scheduler.layout_choice import LayoutChooser
 from scheduler.policy import Node, Policy, PolicyConfig

@@ -11,8 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from flying.session import engine as engine_mod
-from flying.session import status
+from flying.session import publishing, status
 from flying.session.engine import FlyingEngine
 from flying.substrate import status_board
 
@@ -136,13 +135,13 @@ def test_becoming_busy_builds_no_document_falling_idle_and_events_do(board, monk
     session starting (its mode and bind count); all of it to the board, none to the
     store."""
     built = []
-    monkeypatch.setattr(engine_mod.status, "document",
+    monkeypatch.setattr(status, "document",
                         lambda rank, eng, sched: built.append(rank) or f"doc{len(built)}")
     store = Store({})
     engine, busy, idle = _busy_engine(monkeypatch, store)
     engine.publish(busy)
     assert built == []
-    engine._status_at -= engine_mod.STATUS_EVERY_S  # a busy engine's timed refresh
+    engine._status_at -= publishing.STATUS_EVERY_S  # a busy engine's timed refresh
     engine.publish(busy)
     assert built == [0] and board.read(0) == "doc1"
     engine.publish(idle)
@@ -158,7 +157,7 @@ def test_becoming_busy_builds_no_document_falling_idle_and_events_do(board, monk
 
 def test_without_a_board_the_engine_writes_to_the_store(monkeypatch):
     monkeypatch.delenv(status_board.ENV, raising=False)
-    monkeypatch.setattr(engine_mod.status, "document", lambda rank, eng, sched: "doc")
+    monkeypatch.setattr(status, "document", lambda rank, eng, sched: "doc")
     store = Store({})
     engine, _, idle = _busy_engine(monkeypatch, store)
     engine.publish(idle, force=True)

@@ -37,8 +37,8 @@ from collections.abc import Callable
 from dataclasses import asdict
 from types import SimpleNamespace
 
+from flying.node.bind_issuer import BindIssuer
 from flying.node.config import FlyingConfig
-from flying.node.controller import BindIssuer
 from flying.node.placement import loads_of, policy_config, request_of
 from flying.substrate.layout import Group, group_containing
 from scheduler.policy import Decision, Policy, least_loaded_group
