@@ -3,7 +3,7 @@
 ``BindIssuer`` turns a decision (a degree, and for a mixed layout the engines its groups
 may use) into one ``Bind`` per member, in the one order the controller issues them: the
 total order of binds the deadlock argument rests on (``flying.node.controller``). Pure
-bookkeeping: no SGLang object, so the simulator (``workloads.sim.control``) uses it as
+bookkeeping that imports nothing of SGLang, so the simulator (``workloads.sim.control``) uses it as
 the live node does.
 """
 
@@ -20,7 +20,7 @@ from flying.substrate.layout import Group, group_containing, groups_of
 class BindIssuer:
     """Chooses the group for a degree (round robin over its aligned groups, or over
     those within a mixed layout's group engines) and the DP engine for a request a
-    mixed layout runs in DP (round robin over its DP engines), and sends."""
+    mixed layout runs in DP (round robin over its DP engines), and makes the binds."""
 
     def __init__(self, num_engines: int, degrees: list[int]):
         self.num_engines = num_engines
