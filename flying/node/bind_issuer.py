@@ -3,8 +3,8 @@
 ``BindIssuer`` turns a decision (a degree, and for a mixed layout the engines its groups
 may use) into one ``Bind`` per member, in the one order the controller issues them: the
 total order of binds the deadlock argument rests on (``flying.node.controller``). Pure
-bookkeeping that imports nothing of SGLang, so the simulator (``workloads.sim.control``) uses it as
-the live node does.
+bookkeeping that imports nothing of SGLang, so the simulator (``workloads.sim.control``)
+uses it as the live node does.
 """
 
 from __future__ import annotations
