@@ -30,6 +30,7 @@ import dataclasses
 import torch
 
 from flying.session import grammar, report
+from flying.session.holders import pool_size_holders, references
 from flying.substrate import kv_adaptor
 from flying.substrate.layout import KvSplit
 from flying.substrate.toggle import Toggle
@@ -138,50 +139,6 @@ def _session_cache(scheduler, allocator):
     return UnifiedRadixCache(params)
 
 
-def _components(root) -> list[object]:
-    """``root`` and its direct ``sglang.*`` components, each once."""
-    holders, seen = [], set()
-    for value in [root, *_attrs(root).values()]:
-        module = type(value).__module__ or ""
-        if (value is root or module.startswith("sglang.")) and id(value) not in seen:
-            seen.add(id(value))
-            holders.append(value)
-    return holders
-
-
-def _references(root, targets: dict[int, object]) -> list[tuple[object, str, object]]:
-    """(holder, attribute, targets' value) for every attribute of ``root`` and of its direct
-    components that refers to one of ``targets`` (keyed by ``id`` of the object to
-    replace). SGLang hands the tree cache and allocator to several scheduler components
-    at construction (result processor, output streamer, policy, ...); a TP session must
-    swap every one of them, and listing them by hand would break silently on upgrades.
-    """
-    return [
-        (holder, name, targets[id(value)])
-        for holder in _components(root)
-        for name, value in _attrs(holder).items()
-        if id(value) in targets
-    ]
-
-
-def _pool_size_holders(root) -> list[object]:
-    """``root`` and the components holding their own copy of ``max_total_num_tokens``
-    (pool-usage observer, load inquirer, invariant checker, ...): in a session they must
-    all see the session's pool, or usage = 1 - free/size goes negative and SGLang's
-    metrics assert."""
-    size = root.max_total_num_tokens
-    return [h for h in _components(root) if _attrs(h).get("max_total_num_tokens") == size]
-
-
-def _attrs(obj) -> dict[str, object]:
-    out = dict(getattr(obj, "__dict__", {}))
-    for cls in type(obj).__mro__:
-        for name in getattr(cls, "__slots__", ()):
-            if hasattr(obj, name):
-                out[name] = getattr(obj, name)
-    return out
-
-
 @dataclasses.dataclass
 class Prepared:
     """Everything a TP-``degree`` session needs that does not depend on the session,
@@ -230,12 +187,12 @@ def prepare(scheduler, member) -> Prepared:
     finally:
         pool_swap.leave()
     cache, allocator = scheduler.tree_cache, scheduler.token_to_kv_pool_allocator
-    refs = _references(scheduler, {id(cache): "cache", id(allocator): "allocator"})
+    refs = references(scheduler, {id(cache): "cache", id(allocator): "allocator"})
     return Prepared(
         degree, layer_toggle(shards, member.all_reduce, runner.model), tp_pool, backend,
         [(h, n) for h, n, kind in refs if kind == "cache"],
         [(h, n) for h, n, kind in refs if kind == "allocator"],
-        _pool_size_holders(scheduler),
+        pool_size_holders(scheduler),
         KvSplit(runner.token_to_kv_pool.head_num, degree),
     )
 

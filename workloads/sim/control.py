@@ -45,7 +45,8 @@ from scheduler.policy import Decision, Policy, least_loaded_group
 from scheduler.replay import record, record_upgrade
 from scheduler.traffic import Arrivals
 from workloads.sim.batching import SimRequest
-from workloads.sim.node import Bind, SimNode
+from workloads.sim.node import SimNode
+from workloads.sim.parts import Bind
 from workloads.sim.profile import Profile
 
 #: Why a request marked by the HTTP process is bound (``request_tags.place``).

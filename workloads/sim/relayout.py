@@ -33,7 +33,8 @@ from scheduler.relayout import MAX_JOIN, assign, joinable, reservable, running_b
 from workloads.sim.batching import SimRequest
 
 if TYPE_CHECKING:
-    from workloads.sim.node import Bind, Session, SimNode
+    from workloads.sim.node import SimNode
+    from workloads.sim.parts import Bind, Session
 
 #: ``flying.session.move.RETRY_STEPS`` (that module needs torch): group steps a
 #: session waits after a refused move.
