@@ -48,7 +48,6 @@ import fcntl
 import logging
 import mmap
 import os
-import secrets
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -58,7 +57,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from flying.substrate import shm_segment
+from flying.substrate import shm_segment, shm_setup
 from flying.substrate.shm_config import WaitPolicy, enabled, slot_bytes_from_env
 
 logger = logging.getLogger(__name__)
@@ -66,7 +65,6 @@ logger = logging.getLogger(__name__)
 _HEADER = 64
 _LINE = 64  # bytes per rank line (one cache line)
 _ALIGN = 4096
-_NAME_LEN = 64  # characters of a segment name carried through the setup all-reduce
 _VIEW_CACHE_MAX = 1024
 #: Header word (int64 index) that a member sets to poison the group after a fault: every
 #: peer waiting in a collective raises at once instead of waiting for the timeout.
@@ -83,19 +81,6 @@ class ShmAllReduceError(RuntimeError):
 
 def _data_offset(world: int) -> int:
     return -(-(_HEADER + world * _LINE) // _ALIGN) * _ALIGN
-
-
-def _release(mm: mmap.mmap, lock_fd: int) -> None:
-    shm_segment.release(mm)
-    if lock_fd >= 0:
-        with contextlib.suppress(OSError):
-            os.close(lock_fd)
-
-
-def _group_allreduce(pg: dist.ProcessGroup, t: torch.Tensor) -> torch.Tensor:
-    """Sum ``t`` over ``pg`` in place, with group-local semantics (no global ranks)."""
-    pg.allreduce([t]).wait()
-    return t
 
 
 class ShmAllReduce:
@@ -134,7 +119,7 @@ class ShmAllReduce:
         self.calls = 0  # collectives completed through shared memory
         self.calls_gather = 0
         self.noted: set[tuple[str, str]] = set()  # (op, path) pairs already logged
-        self._finalizer = weakref.finalize(self, _release, mm, lock_fd)
+        self._finalizer = weakref.finalize(self, shm_setup.release, mm, lock_fd)
 
     # -- setup ---------------------------------------------------------------------
 
@@ -152,8 +137,8 @@ class ShmAllReduce:
         """Collectively set up the segment over ``pg`` (a gloo group of the members).
 
         Rank 0 creates and sizes the file; its name reaches the others through one
-        all-reduce on ``pg``; they map it and vote; rank 0 unlinks it after the vote.
-        Returns ``None`` on every member when any member could not map it (not on one
+        all-reduce on ``pg``; they map it and vote; rank 0 unlinks it after the vote
+        (``shm_setup.open_segment``). Returns ``None`` on every member when any member could not map it (not on one
         host, /dev/shm full) or when the path is disabled. Costs three small gloo
         all-reduces; call it at a point every member reaches in the same order.
         """
@@ -162,45 +147,15 @@ class ShmAllReduce:
         policy = policy or WaitPolicy.from_env()
         if world < 2:
             return None
-        want = torch.tensor([0 if enabled() else 1], dtype=torch.int64)
-        if int(_group_allreduce(pg, want)[0]) != 0:
+        if not shm_setup.all_enabled(pg, enabled()):
             logger.info("flying: %s uses gloo for all-reduce (shared memory disabled)", label)
             return None
         size = _data_offset(world) + 2 * world * slot_bytes
-        name, mm, reason, lock_fd = "", None, "", -1
-        if rank == 0:
-            shm_segment.sweep_stale()
-            name = f"{shm_segment.PREFIX}{os.getpid()}_{secrets.token_hex(8)}"
-            try:
-                mm = shm_segment.create(shm_segment.SHM_DIR / name, size, world)
-                lock_fd = os.open(shm_segment.SHM_DIR / name, os.O_RDWR)
-            except OSError as exc:
-                reason, name = f"cannot create segment: {exc}", ""
-        codes = torch.zeros(_NAME_LEN, dtype=torch.int64)
-        if rank == 0 and name:
-            codes[: len(name)] = torch.tensor([ord(c) for c in name], dtype=torch.int64)
-        _group_allreduce(pg, codes)
-        name = "".join(chr(int(c)) for c in codes if int(c) != 0)
-        if name and rank != 0:
-            try:
-                mm = shm_segment.attach(shm_segment.SHM_DIR / name, size, world)
-                lock_fd = os.open(shm_segment.SHM_DIR / name, os.O_RDWR)
-            except (OSError, ValueError) as exc:
-                reason = f"cannot map {name}: {exc} (members not on one host?)"
-        if mm is not None:
-            line = np.frombuffer(mm, dtype=np.int64, count=_LINE // 8, offset=_HEADER + rank * _LINE)
-            line[1], line[2] = os.getpid(), shm_segment.pidns()
-            del line
-        ok = torch.tensor([1 if mm is not None else 0], dtype=torch.int64)
-        _group_allreduce(pg, ok)
-        if rank == 0 and name:
-            shm_segment.unlink(shm_segment.SHM_DIR / name)
-        if int(ok[0]) != world:
-            if mm is not None:
-                _release(mm, lock_fd)
-            why = reason or "a member could not map the segment (members not on one host?)"
-            logger.info("flying: %s uses gloo for all-reduce (%s)", label, why)
+        opened = shm_setup.open_segment(pg, rank, world, size, _HEADER + rank * _LINE)
+        if isinstance(opened, str):
+            logger.info("flying: %s uses gloo for all-reduce (%s)", label, opened)
             return None
+        mm, lock_fd = opened
         comm = cls(mm, rank, world, slot_bytes, label, policy, lock_fd)
         logger.info(
             "flying: %s uses shared-memory all-reduce (%d ranks, %d KiB per slot, "
