@@ -138,9 +138,10 @@ class ShmAllReduce:
 
         Rank 0 creates and sizes the file; its name reaches the others through one
         all-reduce on ``pg``; they map it and vote; rank 0 unlinks it after the vote
-        (``shm_setup.open_segment``). Returns ``None`` on every member when any member could not map it (not on one
-        host, /dev/shm full) or when the path is disabled. Costs three small gloo
-        all-reduces; call it at a point every member reaches in the same order.
+        (``shm_setup.open_segment``). Returns ``None`` on every member when any member
+        could not map it (not on one host, /dev/shm full) or when the path is disabled.
+        Costs three small gloo all-reduces; call it at a point every member reaches in
+        the same order.
         """
         slot_bytes = slot_bytes_from_env() if slot_bytes is None else int(slot_bytes)
         slot_bytes = max(64, -(-slot_bytes // 64) * 64)
