@@ -130,9 +130,9 @@ class LayoutChooser(SwitchCharge):
 
     def __init__(self, num_engines: int, degrees: tuple[int, ...], horizon_s: float,
                  latency_gain: float, engine_kv_tokens: float, joins: bool = False,
-                 mixed: bool = False):
+                 mixed: bool = False, prefill_tokens: float = 0.0):
         super().__init__(num_engines, degrees, horizon_s, latency_gain, engine_kv_tokens,
-                         joins, mixed)
+                         joins, mixed, prefill_tokens)
         self.since = float("-inf")
         self._credit: dict[int, float] = {}
         self._last: Choice | None = None

@@ -88,7 +88,7 @@ class LayoutRanking:
 
     def __init__(self, num_engines: int, degrees: tuple[int, ...], horizon_s: float,
                  latency_gain: float, engine_kv_tokens: float, joins: bool = False,
-                 mixed: bool = False):
+                 mixed: bool = False, prefill_tokens: float = 0.0):
         # Mixed layouts only where the mechanism places by the layout (``mixed``): its
         # DP requests on its DP engines, its binds on its own groups (``Policy.engines_for``).
         # Without that its groups met DP arrivals and moved (docs/BENCHMARKS.md,
@@ -98,6 +98,7 @@ class LayoutRanking:
         self.horizon_s = horizon_s
         self.latency_gain = latency_gain
         self.engine_kv_tokens = engine_kv_tokens
+        self.prefill_tokens = prefill_tokens  # one extend step's most new tokens
         self.joins = joins  # a forming group takes its members' running DP requests in
         self.num_engines = num_engines
         #: [(points, prompt, output), {degree: capacity}] for the quiet and loaded costs
@@ -121,7 +122,8 @@ class LayoutRanking:
         out = {}
         for layout in self.candidates:
             p = predict(layout, costs, traffic.rate if rate is None else rate, prompt,
-                        output, queued, slo, self.horizon_s, self.engine_kv_tokens, caps)
+                        output, queued, slo, self.horizon_s, self.engine_kv_tokens, caps,
+                        self.prefill_tokens)
             if p is not None:
                 out[layout] = p
         return out

@@ -185,6 +185,7 @@ class Policy:
                 self.node.num_engines, self.node.degrees, self.config.phase_s,
                 self.config.tp_gain, self.node.engine_slots or self.node.engine_capacity,
                 joins=self.config.joins, mixed=self.config.mixed,
+                prefill_tokens=self.node.prefill_tokens,
             )
         choice = self.chooser.choose(
             traffic.now, costs, traffic, sum(e.running for e in loads),

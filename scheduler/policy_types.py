@@ -68,6 +68,10 @@ class Node:
     #: the model's KV heads: a group of more ranks replicates them and pools only
     #: kv_heads engines' worth of KV slots, not degree (0: unknown, degree)
     kv_heads: int = 0
+    #: the most new tokens of one extend step (SGLang's chunked prefill size): how a
+    #: deep queue is prefilled (``scheduler.service.queue_prefill``; 0: unknown, one
+    #: prompt a step, as decision logs written before nodes recorded it)
+    prefill_tokens: int = 0
 
     def capacity(self, degree: int) -> int:
         if degree <= 1:

@@ -24,7 +24,10 @@ rate ``lam`` (req/s) of requests with ``P`` prompt and ``O`` output tokens:
   still serves some within it);
 - saturated (``lam`` above the capacity ``mu``): the queue grows for the whole phase
   (``horizon_s``); requests meet the TTFT SLO only while the queue's wait is below it,
-  i.e. those arriving in the first ``t* = slack * mu / (lam - mu)`` seconds.
+  i.e. those arriving in the first ``t* = slack * mu / (lam - mu)`` seconds. A deep
+  queue is prefilled in SGLang's extend steps of up to ``prefill_tokens`` (its chunked
+  prefill size), not one prompt at a time: the capacity and a saturated server's
+  service price a prompt at its share of such a step (``queue_prefill``).
 
 Goodput is requests per second that meet both SLOs (SGLang's benchmark definition).
 The model is small on purpose: its inputs are the measured cost curves
@@ -210,7 +213,30 @@ def _batch(costs: Costs, degree: int, lam: float, out: float, free: float, cap: 
     return b
 
 
-def _capacity(costs: Costs, degree: int, prompt: float, out: float, cap: float) -> float:
+def queue_prefill(costs: Costs, degree: int, prompt: float, cap: float,
+                  prefill_tokens: float) -> float:
+    """ms of prefill per request on a server with a deep queue: SGLang takes waiting
+    prompts into one extend step up to ``prefill_tokens`` new tokens (its chunked prefill
+    size; 0: unknown, one prompt a step) and the room of ``cap`` requests, so each pays
+    its share of a step of ``min(prefill_tokens, cap x prompt)`` tokens.
+
+    Priced one prompt at a time, the hidden-1024 model on this project's 2-core machine
+    read a TP-2 group's saturated output 12-18 % above two DP engines' (1.3 against
+    1.7 ms a prompt token at the traffic's mean prompt of 105), and the node kept the
+    group through a burst where static DP served 13 % more output than SGLang's TP-2
+    and 6x its goodput (cpu-burst, session 85). There SGLang's extend steps held 2,300
+    -4,096 tokens, and at such steps the group's measured points read 1.45-1.55 ms a
+    token, one engine's 2.3 (1.15 for the pair): the shares of a full step say what
+    the mean prompt's point does not, in whichever direction a mode's curve bends."""
+    single = costs.prefill(degree, prompt) or 0.0
+    tokens = min(prefill_tokens, cap * prompt)
+    if tokens <= prompt:
+        return single
+    return (costs.prefill(degree, tokens) or 0.0) * prompt / tokens
+
+
+def _capacity(costs: Costs, degree: int, prompt: float, out: float, cap: float,
+              prefill_tokens: float = 0.0) -> float:
     """The highest arrival rate (req/s) the server serves without saturating.
 
     At rate ``lam`` the batch's fixed point exists (``_batch``) where some batch ``b``
@@ -220,8 +246,10 @@ def _capacity(costs: Costs, degree: int, prompt: float, out: float, cap: float) 
     the highest of these bounds. ``decode`` is linear between its knots, where either
     bound is monotone in ``b``, so the highest is at 1, ``cap`` or a knot between: a
     few curve reads (a bisection over ``_serve`` took thousands, ~30 ms of the DP
-    controller's time per evaluation on every request it held up)."""
-    pre = costs.prefill(degree, prompt) or 0.0
+    controller's time per evaluation on every request it held up). Prompts at a deep
+    queue's price (``queue_prefill``): the capacity is what the server serves with a
+    queue."""
+    pre = queue_prefill(costs, degree, prompt, cap, prefill_tokens)
     batches = {1.0, cap, *(b for b in costs.decode_knots(degree) if 1.0 < b < cap)}
     full = out * (costs.decode(degree, cap) or 0.0) + cap * pre
     if full <= 0.0:
@@ -234,9 +262,11 @@ def _capacity(costs: Costs, degree: int, prompt: float, out: float, cap: float) 
     return min(best, MAX_RATE)
 
 
-def _serve(costs: Costs, degree: int, lam: float, prompt: float, out: float, cap: float):
-    """(prefill ms, prefill utilisation, batch, decode step ms) or None if saturated."""
-    pre = costs.prefill(degree, prompt) or 0.0
+def _serve(costs: Costs, degree: int, lam: float, prompt: float, out: float, cap: float,
+           pre: float | None = None):
+    """(prefill ms, prefill utilisation, batch, decode step ms) or None if saturated;
+    ``pre``: a prompt's prefill ms (default: one prompt's step)."""
+    pre = (costs.prefill(degree, prompt) or 0.0) if pre is None else pre
     rho = lam * pre / 1000.0
     if rho >= 1.0:
         return None
@@ -302,8 +332,10 @@ def _backlog_missed(backlog: float, slack: float, rho: float, horizon_s: float) 
 def _server(
     costs: Costs, degree: int, lam: float, prompt: float, out: float, queued: float,
     slo: Slo, horizon_s: float, cap: float, mu: float, share: float = 1.0,
+    prefill_tokens: float = 0.0,
 ) -> _Server:
-    """One server's service at ``lam`` req/s, its ``share`` of the node's arrivals."""
+    """One server's service at ``lam`` req/s, its ``share`` of the node's arrivals;
+    saturated, its prompts prefilled as a deep queue's (``queue_prefill``)."""
     served = _serve(costs, degree, lam, prompt, out, cap) if lam < mu else None
     if served is not None:
         pre, rho, _, step = served
@@ -317,43 +349,48 @@ def _server(
         good = lam * p_ttft * _tpot_within(tpot, slo.tpot_ms, lam, pre, out, rho, share)
         return _Server(ttft, tpot, good, lam * out, False, gap_tails(lam, tpot, step, pre),
                        max(1.0, lam * out * tpot / 1000.0))
-    at_mu = _serve(costs, degree, mu * 0.999, prompt, out, cap) if mu > 0 else None
+    at_mu = _serve(costs, degree, mu * 0.999, prompt, out, cap,
+                   queue_prefill(costs, degree, prompt, cap, prefill_tokens)) if mu > 0 else None
     if at_mu is None:  # cannot serve even one request at a time
         return _Server(math.inf, math.inf, 0.0, 0.0, True)
-    pre, rho, _, step = at_mu
+    pre, rho, _, step = at_mu  # pre: a prompt's share of a deep queue's extend step
+    one = costs.prefill(degree, prompt) or 0.0  # its own step, alone
     tpot = step / (1.0 - rho)
-    base = step / 2.0 + pre + queued * pre
+    base = step / 2.0 + one + queued * pre
     growth = max(1e-6, (lam - mu) / mu)  # seconds of wait added per second of the phase
     meet_s = max(0.0, (slo.ttft_ms - base) / 1000.0) / growth
     meeting = min(1.0, meet_s / horizon_s)
     ttft = base + 1000.0 * growth * horizon_s / 2.0  # the mean over the phase
     good = lam * meeting * _tpot_within(tpot, slo.tpot_ms, mu, pre, out, rho, share)
-    return _Server(ttft, tpot, min(good, mu), mu * out, True, (step + pre, step + pre),
+    return _Server(ttft, tpot, min(good, mu), mu * out, True, (step + one, step + one),
                    max(1.0, mu * out * tpot / 1000.0))
 
 
 def predict(
     layout: Layout, costs: Costs, rate: float, prompt: float, output: float,
     queued: float, slo: Slo, horizon_s: float, engine_kv_tokens: float,
-    capacities: dict[int, float] | None = None,
+    capacities: dict[int, float] | None = None, prefill_tokens: float = 0.0,
 ) -> Prediction | None:
     """The layout's predicted service (None: a mode it uses is unmeasured). ``rate`` in
     req/s, ``prompt``/``output`` mean tokens, ``queued`` requests already waiting at
     the node, ``engine_kv_tokens`` KV slots of one engine (a TP-m group pools m).
     ``capacities``: a cache of each degree's capacity (req/s) for these costs and
-    sizes, shared by calls that differ only in rate and queue."""
+    sizes, shared by calls that differ only in rate and queue. ``prefill_tokens``: the
+    most new tokens of one extend step (SGLang's chunked prefill size; 0: unknown)."""
     if not all(costs.known(d) for d in set(layout.servers)):
         return None
     prompt, output = max(1.0, prompt), max(1.0, output)
     known = {} if capacities is None else capacities
     for d in set(layout.servers):
         if d not in known:
-            known[d] = _capacity(costs, d, prompt, output, _cap(d, engine_kv_tokens, prompt, output))
+            known[d] = _capacity(costs, d, prompt, output,
+                                 _cap(d, engine_kv_tokens, prompt, output), prefill_tokens)
     caps = [known[d] for d in layout.servers]
     total = sum(caps) or 1.0
     results = [
         _server(costs, d, rate * c / total, prompt, output, queued * c / total, slo,
-                horizon_s, _cap(d, engine_kv_tokens, prompt, output), c, c / total)
+                horizon_s, _cap(d, engine_kv_tokens, prompt, output), c, c / total,
+                prefill_tokens)
         for d, c in zip(layout.servers, caps, strict=True)
     ]
     shares = [c / total for c in caps]

@@ -62,6 +62,7 @@ def _policy(controller):
             controller.server_args.dp_size, controller.max_req_input_len,
             model_path=getattr(controller.server_args, "model_path", None),
             kv_pool=int(getattr(controller, "max_total_num_tokens", 0) or 0),
+            server_args=controller.server_args,
         )
     return controller._flying_policy
 

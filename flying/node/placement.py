@@ -38,13 +38,14 @@ SLOTS_ABOVE_INPUT_LIMIT = 6
 
 def node_of(
     num_engines: int, degrees: tuple[int, ...], max_req_input_len: int, context_len: int = 0,
-    kv_pool: int = 0, kv_heads: int = 0,
+    kv_pool: int = 0, kv_heads: int = 0, prefill_tokens: int = 0,
 ) -> Node:
     """The policy's ``Node`` from the limits SGLang's engines report: one request's
     limit (``max_req_input_len``), the KV pool (``kv_pool``: SGLang's
     ``max_total_num_tokens``; 0 where the process does not know it, then the request
     limit stands for it, which is the pool only where the pool is the tighter bound),
-    the context length (0: not bounded here) and the checkpoint's KV heads.
+    the context length (0: not bounded here), the checkpoint's KV heads and the most
+    new tokens of one extend step (``prefill_tokens``: ``extend_tokens``).
 
     The pool matters to the adaptive policy: it is how many requests a server batches
     (a pool of 800k tokens under an 8k context holds ~100 requests, not ~2)."""
@@ -56,18 +57,32 @@ def node_of(
         group_slack=ADMISSION_SLACK,
         context_limit=max(0, context_len - 1),
         kv_heads=kv_heads,
+        prefill_tokens=prefill_tokens,
     )
+
+
+def extend_tokens(server_args) -> int:
+    """The most new tokens SGLang puts in one extend step: its chunked prefill size, or
+    where chunking is off (-1, None) its ``max_prefill_tokens``; 0 where neither is
+    known (``server_args`` None or without them)."""
+    for name in ("chunked_prefill_size", "max_prefill_tokens"):
+        value = getattr(server_args, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 0
 
 
 def make_policy(
     num_engines: int, max_req_input_len: int, context_len: int = 0,
-    model_path: str | None = None, kv_pool: int = 0,
+    model_path: str | None = None, kv_pool: int = 0, server_args=None,
 ) -> Policy:
     """The policy for this node (``node_of``), with the checkpoint's KV heads (a group
-    replicating them pools less KV: ``Node.kv_heads``)."""
+    replicating them pools less KV: ``Node.kv_heads``) and SGLang's extend step
+    (``extend_tokens(server_args)``: how a deep queue is prefilled)."""
     cfg = get_config()
     node = node_of(num_engines, tuple(cfg.degree_list() or ()), max_req_input_len,
-                   context_len, kv_pool, model_kv_heads(model_path))
+                   context_len, kv_pool, model_kv_heads(model_path),
+                   extend_tokens(server_args))
     return Policy(policy_config(cfg), node)
 
 

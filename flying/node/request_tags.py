@@ -308,6 +308,7 @@ def _policy(manager):
         _POLICY = make_policy(
             engines, manager.max_req_input_len, getattr(manager, "context_len", 0) or 0,
             getattr(getattr(manager, "server_args", None), "model_path", None),
+            server_args=getattr(manager, "server_args", None),
         )
     return _POLICY
 

@@ -107,9 +107,10 @@ class Profile:
         input_limit = self.max_req_len - 5  # SGLang: max_req_input_len = max_req_len - 5
         if http:
             return node_of(max(degrees or (1,)), tuple(degrees), input_limit,
-                           self.context_len, kv_pool=0, kv_heads=self.kv_heads)
+                           self.context_len, kv_pool=0, kv_heads=self.kv_heads,
+                           prefill_tokens=self.chunk_tokens)
         return node_of(engines, tuple(degrees), input_limit, kv_pool=self.kv_tokens,
-                       kv_heads=self.kv_heads)
+                       kv_heads=self.kv_heads, prefill_tokens=self.chunk_tokens)
 
     # -- JSON -------------------------------------------------------------------------
 
