@@ -63,13 +63,32 @@ def node_of(
 
 def extend_tokens(server_args) -> int:
     """The most new tokens SGLang puts in one extend step: its chunked prefill size, or
-    where chunking is off (-1, None) its ``max_prefill_tokens``; 0 where neither is
-    known (``server_args`` None or without them)."""
-    for name in ("chunked_prefill_size", "max_prefill_tokens"):
+    where chunking is off (<= 0) its ``max_prefill_tokens``; 0 where not known.
+
+    SGLang 0.5.23 resolves a chunk size left unset (by the device's memory; 4096 on a
+    CPU) into its runtime context's schedule bag, not into ``server_args``, whose field
+    stays None: the bag is read first, the raw field where no bag is published."""
+    chunk = _resolved("chunked_prefill_size", server_args)
+    if chunk is None:
+        return 0
+    if chunk > 0:
+        return chunk
+    most = _resolved("max_prefill_tokens", server_args)
+    return most if most is not None and most > 0 else 0
+
+
+def _resolved(name: str, server_args) -> int | None:
+    """SGLang's resolved value of the schedule field ``name`` (None: unknown)."""
+    value = None
+    try:
+        from sglang.srt.runtime_context import get_schedule
+
+        value = getattr(get_schedule(), name, None)
+    except Exception:  # noqa: BLE001 - no context published in this process (or no SGLang)
+        value = None
+    if value is None:
         value = getattr(server_args, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return 0
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def make_policy(

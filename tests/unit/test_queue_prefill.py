@@ -130,7 +130,8 @@ def test_the_node_reads_sglangs_extend_step():
     assert extend_tokens(SimpleNamespace(chunked_prefill_size=4096, max_prefill_tokens=16384)) == 4096
     # chunking off: the most one extend step admits
     assert extend_tokens(SimpleNamespace(chunked_prefill_size=-1, max_prefill_tokens=16384)) == 16384
-    assert extend_tokens(SimpleNamespace(chunked_prefill_size=None, max_prefill_tokens=None)) == 0
+    # unset: SGLang resolves it elsewhere; not known here
+    assert extend_tokens(SimpleNamespace(chunked_prefill_size=None, max_prefill_tokens=16384)) == 0
     assert extend_tokens(None) == 0
     node = node_of(2, (2,), 16378, kv_pool=16384, prefill_tokens=4096)
     assert node.prefill_tokens == 4096
