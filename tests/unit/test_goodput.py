@@ -1162,17 +1162,17 @@ def test_past_the_tpot_slo_the_layout_nearer_it_serves_more_within_it_and_is_tak
     to serve a share of its requests within it. A +-10 % edge predicted 0 for both,
     and a node in the group went to DP on the tie (simulated, 70B on 4 engines at 8
     req/s: 0.31 req/s within SLO where static TP-2 served 1.35)."""
-    from scheduler.service import _tpot_within
+    from scheduler.slo_shares import tpot_within
 
     # alone (no prefills to meet) the spread is the old edge: +-10 % of the SLO
-    assert _tpot_within(45.0, 50.0, 0.0, 100.0, 64.0, 0.0, 1.0) == 1.0
-    assert _tpot_within(50.0, 50.0, 0.0, 100.0, 64.0, 0.0, 1.0) == pytest.approx(0.5)
-    assert _tpot_within(56.0, 50.0, 0.0, 100.0, 64.0, 0.0, 1.0) == 0.0
+    assert tpot_within(45.0, 50.0, 0.0, 100.0, 64.0, 0.0, 1.0) == 1.0
+    assert tpot_within(50.0, 50.0, 0.0, 100.0, 64.0, 0.0, 1.0) == pytest.approx(0.5)
+    assert tpot_within(56.0, 50.0, 0.0, 100.0, 64.0, 0.0, 1.0) == 0.0
     # with prefills to meet, some requests are within the SLO past 1.1x, fewer further
-    busy = [_tpot_within(t, 50.0, 5.0, 100.0, 64.0, 0.5, 1.0) for t in (45.0, 56.0, 70.0)]
+    busy = [tpot_within(t, 50.0, 5.0, 100.0, 64.0, 0.5, 1.0) for t in (45.0, 56.0, 70.0)]
     assert 1.0 > busy[0] > busy[1] > busy[2] > 0.0
     # a server taking half the node's arrivals in turn meets a steadier count
-    assert _tpot_within(56.0, 50.0, 5.0, 100.0, 64.0, 0.5, 0.5) < busy[1]
+    assert tpot_within(56.0, 50.0, 5.0, 100.0, 64.0, 0.5, 0.5) < busy[1]
     slo = Slo(ttft_ms=5000.0, tpot_ms=50.0)
     dp, tp = Layout((1, 1)), Layout((2,))
     traffic = Traffic(0, 4.8, 4.8, 128, 64, 300, 300)
