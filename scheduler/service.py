@@ -26,8 +26,9 @@ rate ``lam`` (req/s) of requests with ``P`` prompt and ``O`` output tokens:
   (``horizon_s``); requests meet the TTFT SLO only while the queue's wait is below it,
   i.e. those arriving in the first ``t* = slack * mu / (lam - mu)`` seconds. A deep
   queue is prefilled in SGLang's extend steps of up to ``prefill_tokens`` (its chunked
-  prefill size), not one prompt at a time: the capacity and a saturated server's
-  service price a prompt at its share of such a step (``queue_prefill``).
+  prefill size), not one prompt at a time: the capacity, a saturated server's service
+  and, at any rate, the requests already waiting price a prompt at its share of such
+  a step (``queue_prefill``).
 
 Goodput is requests per second that meet both SLOs (SGLang's benchmark definition).
 The model is small on purpose: its inputs are the measured cost curves
@@ -260,12 +261,16 @@ def _server(
     prefill_tokens: float = 0.0,
 ) -> _Server:
     """One server's service at ``lam`` req/s, its ``share`` of the node's arrivals;
-    saturated, its prompts prefilled as a deep queue's (``queue_prefill``)."""
+    saturated, its prompts prefilled as a deep queue's (``queue_prefill``). The
+    ``queued`` requests already waiting are such a queue in either case: SGLang takes
+    them into extend steps together, so below saturation too they drain at their
+    shares of a step of ``min(cap, queued)`` prompts (priced one prompt a step, a
+    server's backlog jumped at its capacity by the ratio of the two prices)."""
     served = _serve(costs, degree, lam, prompt, out, cap) if lam < mu else None
     if served is not None:
         pre, rho, _, step = served
         tpot = step / (1.0 - rho)
-        backlog = queued * pre
+        backlog = queued * queue_prefill(costs, degree, prompt, min(cap, queued), prefill_tokens)
         wait = rho * pre / (2.0 * (1.0 - rho))
         ttft = step / 2.0 + wait + backlog + pre
         slack = slo.ttft_ms - (step / 2.0 + pre)

@@ -113,6 +113,24 @@ def test_a_server_below_its_capacity_is_priced_as_before():
         assert (batched.ttft_ms, batched.tpot_ms) == (quiet.ttft_ms, quiet.tpot_ms)
 
 
+def test_requests_waiting_below_capacity_drain_at_their_shares():
+    """Requests already queued are taken into extend steps together at any rate, not
+    only past saturation: 10 waiting on DP-2 are 5 per engine, one step of 5 prompts."""
+    for layout, degree, each in ((Layout((1, 1)), 1, 5.0), (Layout((2,)), 2, 10.0)):
+        def ttft(queued: float, tokens: float, layout=layout) -> float:
+            p = predict(layout, BURST, 0.3, PROMPT, OUTPUT, queued, SLO, 10.0, KV,
+                        prefill_tokens=tokens)
+            assert not p.saturated
+            return p.ttft_ms
+
+        shares = queue_prefill(BURST, degree, PROMPT, each, 4096.0)
+        assert ttft(10.0, 4096.0) - ttft(0.0, 4096.0) == pytest.approx(each * shares)
+        # the extend step unknown: one prompt a step, as before
+        single = BURST.prefill(degree, PROMPT)
+        assert ttft(10.0, 0.0) - ttft(0.0, 0.0) == pytest.approx(each * single)
+        assert shares != pytest.approx(single)
+
+
 def test_a_saturated_request_waits_its_own_step_and_the_queue_shares():
     # the first token: its own prompt's step, the queue ahead at its shares
     layout = Layout((2,))
