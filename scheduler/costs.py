@@ -222,6 +222,11 @@ class Costs:
         points = self._own(degree, "decode")
         return max((b for b, _ in points), default=0.0)
 
+    def measured_prefill(self, degree: int) -> float:
+        """The most new tokens of an extend step measured in mode ``degree`` (0: none):
+        beyond it the curve runs on its last segment's slope, a guess."""
+        return max((x for x, _ in self._own(degree, "prefill")), default=0.0)
+
     def decode_knots(self, degree: int) -> tuple[float, ...]:
         """Batch sizes where ``decode(degree, .)`` may bend: its own points and, for a
         TP mode (which grows as DP does outside its points), DP's. Between two knots,

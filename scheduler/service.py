@@ -206,9 +206,16 @@ def queue_prefill(costs: Costs, degree: int, prompt: float, cap: float,
     and 6x its goodput (cpu-burst, session 85). There SGLang's extend steps held 2,300
     -4,096 tokens, and at such steps the group's measured points read 1.45-1.55 ms a
     token, one engine's 2.3 (1.15 for the pair): the shares of a full step say what
-    the mean prompt's point does not, in whichever direction a mode's curve bends."""
+    the mean prompt's point does not, in whichever direction a mode's curve bends.
+
+    The step is at most the longest the mode has measured (``Costs.measured_prefill``):
+    beyond its points a curve runs on its last segment's slope, and one engine's curve
+    measured to 134 tokens, its last segment 3.75 ms a token between two noisy
+    points, read a 4,096-token step at 15 s, a prompt's share 2.8x its own step, and
+    kept a TP-2 group through a burst where static DP served 2.4x static TP's goodput
+    (hidden-1024 model, cpu-burst, session 87)."""
     single = costs.prefill(degree, prompt) or 0.0
-    tokens = min(prefill_tokens, cap * prompt)
+    tokens = min(prefill_tokens, cap * prompt, costs.measured_prefill(degree))
     if tokens <= prompt:
         return single
     return (costs.prefill(degree, tokens) or 0.0) * prompt / tokens

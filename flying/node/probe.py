@@ -30,11 +30,12 @@ PROBE_TOKENS = 16
 #: Token ids of the probe prompt: plain ids every tokenizer of a real model has.
 PROBE_PROMPT = [11, 42, 7, 300, 5, 99, 64, 128, 3, 250, 17, 81]
 #: Calibration (after the probe, before the gate opens): per mode, one request alone (a
-#: prefill of a CALIBRATE_PROMPT-token prompt, cached for the rest), then one staggered
-#: batch on each engine of the mode's server (one group for a TP mode): its requests'
-#: lengths make the batch run CALIBRATE_STEPS decode steps at each of CALIBRATE_SIZES
-#: as they finish, so each mode's decode curve (``scheduler.costs``) gets a point at
-#: each size, measured on the same quiet machine for every mode.
+#: prefill of a CALIBRATE_PROMPT-token prompt), then one staggered batch on each engine
+#: of the mode's server (one group for a TP mode), prefilled in full (``batch_prompt``:
+#: a long extend step measured in every mode): its requests' lengths make the batch
+#: run CALIBRATE_STEPS decode steps at each of CALIBRATE_SIZES as they finish, so each
+#: mode's decode curve (``scheduler.costs``) gets a point at each size, measured on
+#: the same quiet machine for every mode.
 #: Measured, not interpolated, because this CPU's steps are not linear at small batches
 #: (hidden-1024 model, quiet: TP-2 22.5 / 37.1 / 43.8 / 35.1 ms at batch 1 / 2 / 3 / 4,
 #: one engine 32 / 57 / 83 / 67): a line from batch 1 to 4 read batches 2-3 25-34 % low.
@@ -183,6 +184,19 @@ def calibration_prompt(n: int) -> list[int]:
     return [n + PROBE_PROMPT[i % len(PROBE_PROMPT)] + i % 7 for i in range(CALIBRATE_PROMPT)]
 
 
+def batch_prompt(prompt: list[int], j: int) -> list[int]:
+    """Request ``j``'s prompt in a pass's staggered batch: the pass's prompt with a first
+    id of its own, so that the batch prefills in full in every mode. A group's requests
+    find no prefix cached; DP's found the pass's prompt cached, so one engine's curve
+    never measured a long extend step, and a deep queue's step (SGLang's 4,096-token
+    chunk) was read on its last segment's slope from ~130 tokens: 2.8x a prompt's own
+    step on one start of the hidden-1024 model, 0.8x on another (cpu-burst, sessions
+    86-87). ``j`` counts the requests of one server (each engine's cache is its own), so
+    the ids stay small, valid in any vocabulary: ``calibration_prompt`` starts pass ``n``
+    at ``n + 11``, this at ``n + 12 + j``, and the second ids differ by pass."""
+    return [prompt[0] + 1 + j, *prompt[1:]]
+
+
 def calibration_passes(degrees: list[int], passes: int = CALIBRATE_PASSES
                        ) -> list[tuple[int, list[int]]]:
     """(degree, prompt) in the order they are calibrated: DP and every degree in turn,
@@ -203,11 +217,13 @@ def calibrate(url: str, degrees: list[int], engines: int) -> None:
     try:
         for degree, prompt in calibration_passes(degrees):
             for engine in range(engines) if degree == 1 else (None,):
-                # alone: a prefill of the prompt, which the batch then finds cached
+                # alone: a prefill of the prompt (the batch's prompts differ from it)
                 _ask(url, degree, prompt, tokens=2, engine=engine)
             asks = calibration_asks(degree, engines, sizes)
+            asks = [(sum(1 for e, _ in asks[:i] if e == a[0]), a) for i, a in enumerate(asks)]
             with ThreadPoolExecutor(len(asks)) as pool:
-                list(pool.map(lambda a, d=degree, p=prompt: _ask(url, d, p, a[1], a[0]), asks))
+                list(pool.map(lambda a, d=degree, p=prompt: _ask(
+                    url, d, batch_prompt(p, a[0]), a[1][1], a[1][0]), asks))
     except Exception as exc:  # noqa: BLE001
         logger.warning("Flying: step-cost calibration incomplete: %s", exc)
     logger.info("Flying: step costs calibrated in %.1f s (decode batches %s)",

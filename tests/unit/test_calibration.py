@@ -96,3 +96,26 @@ def test_the_probe_is_marked_done_once_and_before_the_gate_opens(monkeypatch, ou
     else:
         assert gate.startswith("closed:") and store.sets[-1] == (CALIBRATED_KEY, "1")
         assert (1, 0) not in asks  # no engine is asked to step for a calibration not run
+
+
+def test_every_mode_prefills_its_batch_in_full(monkeypatch):
+    """Each server's batch requests share no prefix with each other or with the pass's
+    prompt alone, so every mode measures a long extend step (DP's engines found the
+    prompt cached and never did); ids stay small, valid in any vocabulary."""
+    sent: list[tuple[int, int | None, tuple[int, ...]]] = []
+
+    def ask(url, degree, prompt=probe.PROBE_PROMPT, tokens=probe.PROBE_TOKENS, engine=None):
+        sent.append((degree, engine, tuple(prompt)))
+        return [1]
+
+    monkeypatch.setattr(probe, "_ask", ask)
+    monkeypatch.setattr(probe, "_kv_slots", lambda url: 16384)
+    probe.calibrate("http://node", [2], engines=2)
+    for degree, prompt in probe.calibration_passes([2]):
+        mine = [(e, p) for d, e, p in sent if d == degree and p[1:] == tuple(prompt[1:])]
+        for server in {e for e, _ in mine}:
+            firsts = [p[0] for e, p in mine if e == server]
+            assert firsts.count(prompt[0]) == 1  # the prompt alone, once
+            assert len(set(firsts)) == len(firsts)  # every batch request its own
+    assert max(t for _, _, p in sent for t in p) < 512
+    assert len(sent) == 2 * (2 * (1 + len(probe.stagger_lengths())) + 1 + len(probe.stagger_lengths()))

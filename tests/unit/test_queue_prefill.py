@@ -11,6 +11,7 @@ trace, static DP served 13 % more output than SGLang's TP-2 and 6x its goodput.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -44,6 +45,14 @@ BURST = Costs(
     stretch={2: 1.33}, live_ms={1: 43.4887, 2: 31.3907},
     live_low_ms={1: 41.9263, 2: 27.9675}, stretch_last={2: 1.33},
 )
+#: ``BURST`` with one engine's long extend step measured, as the calibration now
+#: measures it in every mode (``flying.node.probe.batch_prompt``): 2.3 ms a token,
+#: what one engine's 2,300-4,096-token steps ran at in static DP on that trace. The log
+#: had none: its curve ended at 128 tokens, read beyond on its last segment's slope.
+BURST_LONG = replace(BURST, curves={
+    1: Curve.of(BURST.curves[1].decode, (*BURST.curves[1].prefill, (4096.0, 2.3 * 4096.0))),
+    2: BURST.curves[2],
+})
 #: the node's own SLOs then (derived from its quiet service)
 NODE_SLO = Slo(3185.0, 58.27)
 #: the arrival estimate at 10.4 s, 22 requests waiting in the group
@@ -54,9 +63,9 @@ SLO = Slo(8582.0, 460.0)  # the SLOs the trace's runs were graded at
 KV = 16384.0  # one engine's KV slots
 
 
-def saturated(layout: Layout, prefill_tokens: float):
+def saturated(layout: Layout, prefill_tokens: float, costs: Costs = BURST_LONG):
     """``layout`` at a burst's rate, far past what either layout serves."""
-    return predict(layout, BURST, 16.0, PROMPT, OUTPUT, 20.0, SLO, 10.0, KV,
+    return predict(layout, costs, 16.0, PROMPT, OUTPUT, 20.0, SLO, 10.0, KV,
                    prefill_tokens=prefill_tokens)
 
 
@@ -66,12 +75,12 @@ def test_one_prompt_a_step_where_the_extend_step_is_unknown():
 
 
 def test_a_prompt_pays_its_share_of_a_full_step():
-    # one engine: 4096 tokens on its last segment's slope (past 128 tokens)
-    share = BURST.prefill(1, 4096.0) * PROMPT / 4096.0
-    assert queue_prefill(BURST, 1, PROMPT, 98.0, 4096.0) == pytest.approx(share)
+    # one engine: its measured 4096-token step
+    share = BURST_LONG.prefill(1, 4096.0) * PROMPT / 4096.0
+    assert queue_prefill(BURST_LONG, 1, PROMPT, 98.0, 4096.0) == pytest.approx(share)
     # a curve that spreads a fixed part is cheaper per prompt in a long step ...
-    assert share < BURST.prefill(1, PROMPT)
-    # ... one that grows dearer per token, dearer
+    assert share < BURST_LONG.prefill(1, PROMPT)
+    # ... one that grows dearer per token, dearer (the group: up to its 1152-token step)
     assert queue_prefill(BURST, 2, PROMPT, 195.0, 4096.0) > BURST.prefill(2, PROMPT)
 
 
@@ -86,20 +95,23 @@ def test_the_step_holds_no_more_prompts_than_the_server_runs():
 def test_past_saturation_the_group_no_longer_reads_ahead_of_dp():
     dp, tp = Layout((1, 1)), Layout((2,))
     # one prompt a step: the group reads 23 % more output than DP, as the node did
-    assert saturated(tp, 0.0).throughput > 1.2 * saturated(dp, 0.0).throughput
+    assert saturated(tp, 0.0, BURST).throughput > 1.2 * saturated(dp, 0.0, BURST).throughput
     # SGLang's 4096-token extend steps (its CPU default): level, the group's lead gone
     new_dp, new_tp = saturated(dp, 4096.0), saturated(tp, 4096.0)
     assert new_dp.saturated and new_tp.saturated
     assert new_tp.throughput < (1.0 + GOODPUT_MARGIN) * new_dp.throughput
 
 
-@pytest.mark.parametrize(("prefill_tokens", "layout"), [(0, "1xTP2"), (4096, "2xDP")])
-def test_the_burst_that_kept_the_group_now_leaves_it(prefill_tokens, layout):
-    """The node's decision at 10.4 s into the burst, on its logged inputs: the group
-    kept where prompts were priced one a step, DP taken at SGLang's extend step."""
+@pytest.mark.parametrize(("prefill_tokens", "costs", "layout"), [
+    (0, BURST_LONG, "1xTP2"), (4096, BURST, "1xTP2"), (4096, BURST_LONG, "2xDP")])
+def test_the_burst_that_kept_the_group_now_leaves_it(prefill_tokens, costs, layout):
+    """The node's decision at 10.4 s into the burst: the group kept where prompts were
+    priced one a step, or where one engine's long step was not measured (it is priced
+    no longer than measured: ``Costs.measured_prefill``); DP taken at SGLang's extend
+    step with one engine's measured (``BURST_LONG``)."""
     chooser = LayoutChooser(2, (2,), 10.0, 0.1, 16384.0, prefill_tokens=prefill_tokens)
     chooser.current, chooser.since = Layout((2,)), 90.0
-    choice = chooser.choose(100.0, BURST, BURST_TRAFFIC, 1, 22, NODE_SLO, SwitchCosts(1.026))
+    choice = chooser.choose(100.0, costs, BURST_TRAFFIC, 1, 22, NODE_SLO, SwitchCosts(1.026))
     assert choice.layout.name == layout, choice.reason
 
 
@@ -162,3 +174,54 @@ def test_the_policy_prices_with_its_nodes_step():
     loads = [EngineLoad(0, 1, 22), EngineLoad(1, 0, 0)]
     policy._by_goodput(loads, BURST, BURST_TRAFFIC, SwitchCosts())
     assert policy.chooser.prefill_tokens == 4096
+
+
+#: The node's costs 10.24 s into cpu-burst's first burst (hidden-1024 model, session
+#: 87, round 1): one engine's prefill measured to 134 tokens, its last segment 3.75 ms
+#: a token between two noisy points; the group's to 3,904 (the calibration's batch).
+NOISY = Costs(
+    {1: 29.1705, 2: 20.0862},
+    {
+        1: Curve.of(
+            [(1, 29.1705), (2, 32.6968), (3, 36.2879), (4, 59.1628), (8, 79.0104),
+             (16, 79.2992), (30.82, 100.6406)],
+            [(6.17, 54.1476), (59, 114.2257), (119.41, 152.4144), (134, 207.1621)],
+        ),
+        2: Curve.of(
+            [(1, 20.0862), (2, 22.0441), (3, 23.148), (4, 35.9605), (8, 45.8854),
+             (16, 48.246), (32, 60.5393)],
+            [(12, 56.6772), (20, 44.1131), (116.83, 97.1325), (256, 259.5408),
+             (3904, 2789.0782)],
+        ),
+    },
+    stretch={1: 1.078, 2: 1.101}, live_ms={1: 32.2404, 2: 22.2212},
+    live_low_ms={1: 29.8835, 2: 21.0343}, stretch_last={1: 1.078, 2: 1.101},
+)
+NOISY_TRAFFIC = Traffic(now=100.0, rate_short=7.0, rate_long=6.2101, prompt=113.1,
+                        output=64.69, n_short=21, n_long=21, window_s=3.0)
+
+
+def test_a_step_is_priced_no_longer_than_the_mode_has_measured():
+    # one engine measured to 134 tokens: a deep queue's step read there, not at 4096
+    # on the last segment's slope (15 s: a prompt's share 2.8x its own step)
+    assert NOISY.measured_prefill(1) == 134.0 and NOISY.measured_prefill(2) == 3904.0
+    at_134 = NOISY.prefill(1, 134.0) * 113.1 / 134.0
+    assert queue_prefill(NOISY, 1, 113.1, 92.0, 4096.0) == pytest.approx(at_134)
+    assert NOISY.prefill(1, 4096.0) * 113.1 / 4096.0 > 2.5 * NOISY.prefill(1, 113.1)
+    # the group: its own long step, measured
+    at_3904 = NOISY.prefill(2, 3904.0) * 113.1 / 3904.0
+    assert queue_prefill(NOISY, 2, 113.1, 184.0, 4096.0) == pytest.approx(at_3904)
+    # nothing measured: one prompt a step
+    bare = Costs({1: 30.0, 2: 20.0})
+    assert queue_prefill(bare, 1, 100.0, 50.0, 4096.0) == bare.prefill(1, 100.0)
+
+
+def test_the_burst_an_extrapolated_step_kept_in_the_group_leaves_it():
+    """The node's decision at 10.24 s on its logged inputs: the group kept (the node
+    read DP's saturated output at half the group's); static DP served 2.4x static
+    TP's goodput on that run."""
+    chooser = LayoutChooser(2, (2,), 10.0, 0.1, 16384.0, prefill_tokens=4096.0)
+    chooser.current, chooser.since = Layout((2,)), 90.0
+    choice = chooser.choose(100.0, NOISY, NOISY_TRAFFIC, 3, 10, Slo(2718.2, 43.76),
+                            SwitchCosts(2.53, 49.78))
+    assert choice.layout.name == "2xDP", choice.reason
