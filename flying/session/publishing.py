@@ -106,10 +106,10 @@ class Publishing:
             status.publish(self.pool.store, self.dp_rank, self, scheduler)
 
     def _serving(self) -> None:
-        """Once the start-up probe is done, forget the stretch its calibration measured
-        (``StepClock.forget_stretch``): a stretch is of serving. Asked at each status
+        """Once the start-up probe is done, forget the stretch and live steps its
+        calibration measured (``StepClock.forget_calibration``): both are of serving. Asked at each status
         refresh until then (a store round trip; the probe makes every engine step, and
         so refresh, after it is done)."""
         if self._calibrating and status.calibration_over(self.pool.store):
             self._calibrating = False
-            self.clock.forget_stretch()
+            self.clock.forget_calibration()

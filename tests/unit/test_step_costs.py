@@ -211,8 +211,9 @@ def test_a_stretched_prefill_point_is_measured_against_the_line_past_it():
 
 def test_the_calibrations_stretch_is_forgotten_and_its_points_kept():
     """The start-up calibration's steps make points and live steps; their stretch (one
-    pass over the other) is no serving's and is forgotten when the probe is done, now
-    and last; serving measures its own from then on."""
+    pass over the other) and their live mean are no serving's and are forgotten when
+    the probe is done, now and last; the quietest live mean stays; serving measures its
+    own from then on."""
     from flying.session.step_costs import MIN_SAMPLES
 
     clock = StepClock()
@@ -221,10 +222,13 @@ def test_the_calibrations_stretch_is_forgotten_and_its_points_kept():
     for i in range(MIN_SAMPLES):  # the second pass ran 1.5x
         clock.record(2, 15.0, "decode", 1, now=10.0 + i)
     assert clock.stretch(now=20.0) == {2: 1.5} == clock.stretch_last()
-    live = clock.live_ms()
-    clock.forget_stretch()
+    low = clock.live_low_ms()
+    assert clock.live_ms()[2] > low[2]  # the stretched pass in the live mean
+    clock.forget_calibration()
     assert clock.stretch(now=20.0) == {} == clock.stretch_last()
-    assert clock.curves()[2]["decode"] == [[1.0, 10.0]] and clock.live_ms() == live
+    assert clock.curves()[2]["decode"] == [[1.0, 10.0]] and clock.live_ms() == {}
+    assert clock.live_low_ms() == low
     for i in range(MIN_SAMPLES):  # serving
         clock.record(2, 12.0, "decode", 1, now=30.0 + i)
     assert clock.stretch(now=40.0) == {2: 1.2} == clock.stretch_last()
+    assert clock.live_ms() == {2: 12.0}  # serving's steps alone
