@@ -30,12 +30,11 @@ PROBE_TOKENS = 16
 #: Token ids of the probe prompt: plain ids every tokenizer of a real model has.
 PROBE_PROMPT = [11, 42, 7, 300, 5, 99, 64, 128, 3, 250, 17, 81]
 #: Calibration (after the probe, before the gate opens): per mode, one request alone (a
-#: prefill of a CALIBRATE_PROMPT-token prompt), then one staggered batch on each engine
-#: of the mode's server (one group for a TP mode), prefilled in full (``batch_prompt``:
-#: a long extend step measured in every mode): its requests' lengths make the batch
-#: run CALIBRATE_STEPS decode steps at each of CALIBRATE_SIZES as they finish, so each
-#: mode's decode curve (``scheduler.costs``) gets a point at each size, measured on
-#: the same quiet machine for every mode.
+#: prefill of a CALIBRATE_PROMPT-token prompt, cached for the rest), then one staggered
+#: batch on each engine of the mode's server (one group for a TP mode): its requests'
+#: lengths make the batch run CALIBRATE_STEPS decode steps at each of CALIBRATE_SIZES
+#: as they finish, so each mode's decode curve (``scheduler.costs``) gets a point at
+#: each size, measured on the same quiet machine for every mode.
 #: Measured, not interpolated, because this CPU's steps are not linear at small batches
 #: (hidden-1024 model, quiet: TP-2 22.5 / 37.1 / 43.8 / 35.1 ms at batch 1 / 2 / 3 / 4,
 #: one engine 32 / 57 / 83 / 67): a line from batch 1 to 4 read batches 2-3 25-34 % low.
@@ -58,6 +57,17 @@ CALIBRATE_PROMPT, CALIBRATE_STEPS = 128, 8
 #: starts' (batch 32: 209 vs 133 / 146 ms, a 128-token prefill 490 vs 310 / 333), the
 #: node in TP-2 for the whole run, 0.65x the better static layout's goodput.
 CALIBRATE_PASSES = 2
+#: After the passes, one prompt of this many tokens alone on each of every mode's
+#: servers (at most a quarter of an engine's KV slots: ``long_prompt_length``): an
+#: extend step near SGLang's chunk, the step a deep queue is priced at
+#: (``scheduler.service.queue_prefill``: no longer than a mode has measured). The
+#: passes give a group one (its batch's requests share no cached prefix and reach it
+#: together) but not one engine: its batch finds the pass's prompt cached, and with
+#: prompts of their own its requests arrived one by one and an idle engine extended
+#: what had arrived (a long step in 2 of 7 starts of the hidden-1024 model). Read on
+#: its last segment's slope from ~130 tokens instead, one engine's 4,096-token step
+#: came out 0.8-2.8x a prompt's own step per token (cpu-burst, sessions 86-87).
+CALIBRATE_LONG = 4096
 
 
 def calibration_sizes(kv_slots: int) -> tuple[int, ...]:
@@ -184,17 +194,30 @@ def calibration_prompt(n: int) -> list[int]:
     return [n + PROBE_PROMPT[i % len(PROBE_PROMPT)] + i % 7 for i in range(CALIBRATE_PROMPT)]
 
 
-def batch_prompt(prompt: list[int], j: int) -> list[int]:
-    """Request ``j``'s prompt in a pass's staggered batch: the pass's prompt with a first
-    id of its own, so that the batch prefills in full in every mode. A group's requests
-    find no prefix cached; DP's found the pass's prompt cached, so one engine's curve
-    never measured a long extend step, and a deep queue's step (SGLang's 4,096-token
-    chunk) was read on its last segment's slope from ~130 tokens: 2.8x a prompt's own
-    step on one start of the hidden-1024 model, 0.8x on another (cpu-burst, sessions
-    86-87). ``j`` counts the requests of one server (each engine's cache is its own), so
-    the ids stay small, valid in any vocabulary: ``calibration_prompt`` starts pass ``n``
-    at ``n + 11``, this at ``n + 12 + j``, and the second ids differ by pass."""
-    return [prompt[0] + 1 + j, *prompt[1:]]
+def long_prompt_length(kv_slots: int) -> int:
+    """Tokens of the long calibration prompt: CALIBRATE_LONG, at most a quarter of an
+    engine's KV slots; 0 (none) where that is not twice the passes' prompt."""
+    tokens = min(CALIBRATE_LONG, kv_slots // 4)
+    return tokens if tokens >= 2 * CALIBRATE_PROMPT else 0
+
+
+def long_prompt(n: int, tokens: int) -> list[int]:
+    """Mode ``n``'s long prompt: ``tokens`` plain ids, its first (``n + 51``) and second
+    differing from every pass's prompt (``calibration_prompt``: ``n + 11``), so none
+    finds another's prefix cached."""
+    return [40 + n + PROBE_PROMPT[i % len(PROBE_PROMPT)] + i % 7 for i in range(tokens)]
+
+
+def calibrate_long(url: str, degrees: list[int], engines: int, tokens: int) -> None:
+    """The long prompt alone on each of every mode's servers, one at a time
+    (``CALIBRATE_LONG``). Its own failure (a model whose context is shorter rejects
+    the prompt) loses this point alone, not the passes' curves."""
+    try:
+        for n, degree in enumerate((1, *degrees)):
+            for engine in range(engines) if degree == 1 else (None,):
+                _ask(url, degree, long_prompt(n, tokens), tokens=1, engine=engine)
+    except Exception as exc:  # noqa: BLE001
+        logger.warning("Flying: the long extend step not calibrated: %s", exc)
 
 
 def calibration_passes(degrees: list[int], passes: int = CALIBRATE_PASSES
@@ -209,25 +232,29 @@ def calibration_passes(degrees: list[int], passes: int = CALIBRATE_PASSES
 def calibrate(url: str, degrees: list[int], engines: int) -> None:
     """Step-cost calibration: for DP and each degree (``calibration_passes``), a prompt
     alone on each of the mode's servers (its prefill) and a staggered batch
-    (``calibration_asks``); the engines time the steps (``flying.session.step_costs``).
-    Never raises: the curves are advice."""
+    (``calibration_asks``), then a long prompt alone on each (``calibrate_long``); the
+    engines time the steps (``flying.session.step_costs``). Never raises: the curves
+    are advice."""
     from concurrent.futures import ThreadPoolExecutor
 
-    started, sizes = time.monotonic(), calibration_sizes(_kv_slots(url))
+    kv_slots = _kv_slots(url)
+    started, sizes = time.monotonic(), calibration_sizes(kv_slots)
     try:
         for degree, prompt in calibration_passes(degrees):
             for engine in range(engines) if degree == 1 else (None,):
-                # alone: a prefill of the prompt (the batch's prompts differ from it)
+                # alone: a prefill of the prompt, which the batch then finds cached
                 _ask(url, degree, prompt, tokens=2, engine=engine)
             asks = calibration_asks(degree, engines, sizes)
-            asks = [(sum(1 for e, _ in asks[:i] if e == a[0]), a) for i, a in enumerate(asks)]
             with ThreadPoolExecutor(len(asks)) as pool:
-                list(pool.map(lambda a, d=degree, p=prompt: _ask(
-                    url, d, batch_prompt(p, a[0]), a[1][1], a[1][0]), asks))
+                list(pool.map(lambda a, d=degree, p=prompt: _ask(url, d, p, a[1], a[0]), asks))
     except Exception as exc:  # noqa: BLE001
         logger.warning("Flying: step-cost calibration incomplete: %s", exc)
-    logger.info("Flying: step costs calibrated in %.1f s (decode batches %s)",
-                time.monotonic() - started, "/".join(map(str, sorted(sizes))))
+    long = long_prompt_length(kv_slots)
+    if long:
+        calibrate_long(url, degrees, engines, long)
+    logger.info("Flying: step costs calibrated in %.1f s (decode batches %s, a %d-token "
+                "prefill)", time.monotonic() - started, "/".join(map(str, sorted(sizes))),
+                long)
 
 
 def _log_slo(store, degrees: list[int], engines: int) -> None:

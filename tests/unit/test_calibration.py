@@ -98,10 +98,11 @@ def test_the_probe_is_marked_done_once_and_before_the_gate_opens(monkeypatch, ou
         assert (1, 0) not in asks  # no engine is asked to step for a calibration not run
 
 
-def test_every_mode_prefills_its_batch_in_full(monkeypatch):
-    """Each server's batch requests share no prefix with each other or with the pass's
-    prompt alone, so every mode measures a long extend step (DP's engines found the
-    prompt cached and never did); ids stay small, valid in any vocabulary."""
+
+def test_every_mode_measures_a_long_extend_step_after_its_passes(monkeypatch):
+    """After the passes, a long prompt alone on each of every mode's servers (each DP
+    engine and the group), sharing no prefix with any pass's prompt; at most a quarter
+    of an engine's KV slots, none where that is short; ids valid in the demo vocabulary."""
     sent: list[tuple[int, int | None, tuple[int, ...]]] = []
 
     def ask(url, degree, prompt=probe.PROBE_PROMPT, tokens=probe.PROBE_TOKENS, engine=None):
@@ -111,11 +112,28 @@ def test_every_mode_prefills_its_batch_in_full(monkeypatch):
     monkeypatch.setattr(probe, "_ask", ask)
     monkeypatch.setattr(probe, "_kv_slots", lambda url: 16384)
     probe.calibrate("http://node", [2], engines=2)
-    for degree, prompt in probe.calibration_passes([2]):
-        mine = [(e, p) for d, e, p in sent if d == degree and p[1:] == tuple(prompt[1:])]
-        for server in {e for e, _ in mine}:
-            firsts = [p[0] for e, p in mine if e == server]
-            assert firsts.count(prompt[0]) == 1  # the prompt alone, once
-            assert len(set(firsts)) == len(firsts)  # every batch request its own
+    long = [(d, e, len(p)) for d, e, p in sent if len(p) > probe.CALIBRATE_PROMPT]
+    assert long == [(1, 0, 4096), (1, 1, 4096), (2, None, 4096)]
+    firsts = {p[0] for _, _, p in sent[:-3]}
+    assert not firsts & {p[0] for _, _, p in sent[-3:]}
     assert max(t for _, _, p in sent for t in p) < 512
-    assert len(sent) == 2 * (2 * (1 + len(probe.stagger_lengths())) + 1 + len(probe.stagger_lengths()))
+    assert probe.long_prompt_length(2048) == 512  # the tests' engines
+    assert probe.long_prompt_length(1000) == 0 and probe.long_prompt_length(0) == 0
+
+
+def test_a_rejected_long_prompt_loses_its_point_alone(monkeypatch):
+    calls: list[int] = []
+
+    def ask(url, degree, prompt=probe.PROBE_PROMPT, tokens=probe.PROBE_TOKENS, engine=None):
+        calls.append(len(prompt))
+        if len(prompt) > probe.CALIBRATE_PROMPT:
+            raise RuntimeError("HTTP 400: longer than the model's context")
+        return [1]
+
+    monkeypatch.setattr(probe, "_ask", ask)
+    monkeypatch.setattr(probe, "_kv_slots", lambda url: 16384)
+    probe.calibrate("http://node", [2], engines=2)  # never raises
+    # every pass ran (each mode's prompt alone and its batch), then one long attempt
+    per_pass = {1: 2 * (1 + len(probe.stagger_lengths())), 2: 1 + len(probe.stagger_lengths())}
+    passes = sum(per_pass[d] for d, _ in probe.calibration_passes([2]))
+    assert calls == [probe.CALIBRATE_PROMPT] * passes + [probe.CALIBRATE_LONG]

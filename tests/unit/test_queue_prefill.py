@@ -46,7 +46,7 @@ BURST = Costs(
     live_low_ms={1: 41.9263, 2: 27.9675}, stretch_last={2: 1.33},
 )
 #: ``BURST`` with one engine's long extend step measured, as the calibration now
-#: measures it in every mode (``flying.node.probe.batch_prompt``): 2.3 ms a token,
+#: measures it in every mode (``flying.node.probe.calibrate_long``): 2.3 ms a token,
 #: what one engine's 2,300-4,096-token steps ran at in static DP on that trace. The log
 #: had none: its curve ended at 128 tokens, read beyond on its last segment's slope.
 BURST_LONG = replace(BURST, curves={
