@@ -66,8 +66,10 @@ CALIBRATE_PASSES = 2
 #: prompts of their own its requests arrived one by one and an idle engine extended
 #: what had arrived (a long step in 2 of 7 starts of the hidden-1024 model). Read on
 #: its last segment's slope from ~130 tokens instead, one engine's 4,096-token step
-#: came out 0.8-2.8x a prompt's own step per token (cpu-burst, sessions 86-87).
-CALIBRATE_LONG = 4096
+#: came out 0.8-2.8x a prompt's own step per token (cpu-burst, sessions 86-87). Half
+#: the chunk: a deep queue's steps of 2,300-4,096 tokens cost about as much a token, at
+#: half the start-up time (one engine of the hidden-1024 model: ~2.7 s a prompt).
+CALIBRATE_LONG = 2048
 
 
 def calibration_sizes(kv_slots: int) -> tuple[int, ...]:

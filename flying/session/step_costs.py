@@ -66,7 +66,8 @@ from scheduler.costs import read
 #: Samples kept per curve point, and the percentile of them that is the point's cost.
 WINDOW = 64
 QUANTILE = 0.25
-#: Steps longer than this are not samples of a step (an engine stalled or slept).
+#: Steps longer than this are not samples of a step (an engine stalled or slept); an
+#: extend step may take this long per 1,024 new tokens (``longest_s``).
 MAX_SAMPLE_S = 5.0
 #: A window's percentile becomes a point's best only from this many samples on (the
 #: probe's calibration gives 15 per degree); until then the percentile itself is used.
@@ -97,6 +98,14 @@ MIN_PROMPT_TOKENS = 16
 Key = tuple[int, str, int]
 #: (degree, kind, work): what one step did (work: batch size or new tokens).
 Sample = tuple[int, str, int]
+
+
+def longest_s(kind: str, work: int) -> float:
+    """The longest a step of ``kind`` doing ``work`` may take and be a sample. An extend
+    step's time grows with its tokens: one engine of the hidden-1024 model prefilled the
+    calibration's 4,096-token prompt in ~5.4 s, which a flat limit dropped, so its
+    curve had no long step to price a deep queue at (``scheduler.service``)."""
+    return MAX_SAMPLE_S * max(1.0, work / 1024.0) if kind == PREFILL else MAX_SAMPLE_S
 
 
 def bucket(kind: str, work: int) -> int:
@@ -133,7 +142,7 @@ class StepClock:
         now = time.perf_counter()
         if self._open is not None:
             (degree, kind, work), started = self._open
-            if now - started <= MAX_SAMPLE_S:
+            if now - started <= longest_s(kind, work):
                 self.record(degree, (now - started) * 1e3, kind, work, now)
         self._open = None
         return now

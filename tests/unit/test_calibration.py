@@ -113,7 +113,7 @@ def test_every_mode_measures_a_long_extend_step_after_its_passes(monkeypatch):
     monkeypatch.setattr(probe, "_kv_slots", lambda url: 16384)
     probe.calibrate("http://node", [2], engines=2)
     long = [(d, e, len(p)) for d, e, p in sent if len(p) > probe.CALIBRATE_PROMPT]
-    assert long == [(1, 0, 4096), (1, 1, 4096), (2, None, 4096)]
+    assert long == [(1, 0, 2048), (1, 1, 2048), (2, None, 2048)]
     firsts = {p[0] for _, _, p in sent[:-3]}
     assert not firsts & {p[0] for _, _, p in sent[-3:]}
     assert max(t for _, _, p in sent for t in p) < 512

@@ -105,6 +105,23 @@ def test_boundary_label_measures_the_interval_between_boundaries(monkeypatch):
     assert clock.decode_ms() == {1: 10.0}
 
 
+def test_a_long_extend_step_is_a_sample_where_a_decode_step_as_long_is_a_stall(monkeypatch):
+    """An extend step may take MAX_SAMPLE_S per 1,024 new tokens: one engine's 4,096-token
+    prefill of ~5.4 s is a point; a decode step of 5.4 s is a stall, not a sample."""
+    import flying.session.step_costs as sc
+
+    now = iter([1.0, 6.4, 11.8])
+    monkeypatch.setattr(sc.time, "perf_counter", lambda: next(now))
+    clock = StepClock()
+    started = clock.boundary()
+    clock.label((1, "prefill", 4096), started)
+    started = clock.boundary()  # 5.4 s of prefill: kept
+    clock.label((1, "decode", 1), started)
+    clock.boundary()  # 5.4 s of decode: dropped
+    assert clock.curves() == {1: {"decode": [], "prefill": [[4096.0, 5400.0]]}}
+    assert sc.longest_s("prefill", 512) == sc.longest_s("decode", 4096) == sc.MAX_SAMPLE_S
+
+
 class _StatusStore:
     """The engines' status documents in a store; ``gate`` cleared: a launcher that
     does not answer (every read waits)."""
