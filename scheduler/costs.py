@@ -224,7 +224,8 @@ class Costs:
 
     def measured_prefill(self, degree: int) -> float:
         """The most new tokens of an extend step measured in mode ``degree`` (0: none):
-        beyond it the curve runs on its last segment's slope, a guess."""
+        beyond it the curve is a guess (its last segment's slope, or DP's shape for a
+        TP mode)."""
         return max((x for x, _ in self._own(degree, "prefill")), default=0.0)
 
     def decode_knots(self, degree: int) -> tuple[float, ...]:

@@ -107,9 +107,9 @@ class Publishing:
 
     def _serving(self) -> None:
         """Once the start-up probe is done, forget the stretch and live steps its
-        calibration measured (``StepClock.forget_calibration``): both are of serving. Asked at each status
-        refresh until then (a store round trip; the probe makes every engine step, and
-        so refresh, after it is done)."""
+        calibration measured (``StepClock.forget_calibration``): both are of serving.
+        Asked at each status refresh until then (a store round trip; the probe makes
+        every engine step, and so refresh, after it is done)."""
         if self._calibrating and status.calibration_over(self.pool.store):
             self._calibrating = False
             self.clock.forget_calibration()

@@ -44,9 +44,9 @@ The best point of a mode is how fast it can step; ``live_ms`` is how fast it did
 while serving: per degree, the mean of its last ``LIVE_WINDOW`` single-request decode
 steps, kept however long ago they ran (the stretch forgets a mode 10 s after it stops),
 and ``live_low_ms`` the lowest that mean has been (the mode's cadence at its quietest,
-the calibration's included; its mean is of serving alone). The "is a group faster" test reads them beside the best
-points (``scheduler.costs.Costs.gain``): on this project's 2-core machine the start-up
-calibration put a TP-2 step of the hidden-1024 model 7-26 % faster than one engine's,
+the calibration's included; the mean itself is of serving alone). The "is a group
+faster" test reads them beside the best points (``scheduler.costs.Costs.gain``): on
+this project's 2-core machine the start-up calibration put a TP-2 step of the hidden-1024 model 7-26 % faster than one engine's,
 while serving, its single-request steps ran 1.44x its best point (41.3 ms against DP's
 43.4: no faster), and SGLang's own TP-2 streamed the quiet phases 1.2-1.4x slower than
 DP (a group needs both cores in lockstep beside the HTTP, tokenizer and detokenizer
