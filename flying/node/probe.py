@@ -211,13 +211,21 @@ def long_prompt(n: int, tokens: int) -> list[int]:
 
 
 def calibrate_long(url: str, degrees: list[int], engines: int, tokens: int) -> None:
-    """The long prompt alone on each of every mode's servers, one at a time
-    (``CALIBRATE_LONG``). Its own failure (a model whose context is shorter rejects
-    the prompt) loses this point alone, not the passes' curves."""
+    """The long prompt alone on each of every mode's servers (``CALIBRATE_LONG``): the
+    DP engines together (each runs on its own cores, ``flying.substrate.cpu_threads``,
+    as they serve a burst), then each degree's group. Its own failure (a model whose
+    context is shorter rejects the prompt) loses this point alone, not the passes'
+    curves."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompt = long_prompt(0, tokens)
     try:
-        for n, degree in enumerate((1, *degrees)):
-            for engine in range(engines) if degree == 1 else (None,):
-                _ask(url, degree, long_prompt(n, tokens), tokens=1, engine=engine)
+        with ThreadPoolExecutor(engines) as pool:  # every engine's ask runs, then any fault
+            asks = [pool.submit(_ask, url, 1, prompt, 1, e) for e in range(engines)]
+        for ask in asks:
+            ask.result()
+        for n, degree in enumerate(degrees, start=1):
+            _ask(url, degree, long_prompt(n, tokens), tokens=1)
     except Exception as exc:  # noqa: BLE001
         logger.warning("Flying: the long extend step not calibrated: %s", exc)
 
