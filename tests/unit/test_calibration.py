@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 
 import pytest
@@ -100,13 +101,16 @@ def test_the_probe_is_marked_done_once_and_before_the_gate_opens(monkeypatch, ou
 
 
 def test_every_mode_measures_a_long_extend_step_after_its_passes(monkeypatch):
-    """After the passes, a long prompt alone on each of every mode's servers (each DP
-    engine and the group), sharing no prefix with any pass's prompt; at most a quarter
+    """After the passes, a long prompt alone on each of every mode's servers (the DP
+    engines together, then the group), sharing no prefix with any pass's prompt; at most a quarter
     of an engine's KV slots, none where that is short; ids valid in the demo vocabulary."""
     sent: list[tuple[int, int | None, tuple[int, ...]]] = []
+    together = threading.Barrier(2, timeout=5)  # one engine after the other breaks it
 
     def ask(url, degree, prompt=probe.PROBE_PROMPT, tokens=probe.PROBE_TOKENS, engine=None):
         sent.append((degree, engine, tuple(prompt)))
+        if degree == 1 and len(prompt) > probe.CALIBRATE_PROMPT:
+            together.wait()
         return [1]
 
     monkeypatch.setattr(probe, "_ask", ask)
