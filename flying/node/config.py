@@ -68,7 +68,7 @@ class FlyingConfig:
     #: adaptive policy's light-load groups), "all" (any group, explicit and priority
     #: ones too), "off" (a group keeps its requests; DP work runs between group steps).
     move_to_dp: str = "policy"
-    #: The most group steps a lone arrival for a running group waits while every request
+    #: The most group steps an arrival for a running group waits while every request
     #: the group decodes finishes (by length) within them, so that its prefill does not
     #: pause them near their end (``scheduler.hold``); 0: admit at once. Only requests
     #: the policy grouped (adaptive, static-tp) wait; priority, long-context and
