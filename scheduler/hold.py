@@ -18,11 +18,6 @@ Invariants:
   fit in the steps the hold has left, and each step takes one token off both, so the
   running requests finish (or stop earlier) before the bound and the arrival never
   waits only to pause them anyway;
-- only a lone arrival is held: where two or more wait for the group a queue is forming;
-  each would pay the hold, and held together they would form one large prefill (on the
-  hidden-1024 model's Azure code clump, 25 arrivals held behind 8 requests near their
-  end got their first tokens in one 3.2 s prefill, 1.5-2 s after SGLang's TP-2 gave
-  them theirs), so they are admitted at once, as SGLang takes them;
 - nothing is held behind a request that is still prefilling or waiting, nor behind an
   empty batch, and only for binds the policy made (adaptive or static-tp:
   ``HOLDABLE``): a priority, long-context or explicitly grouped request is admitted at
@@ -39,12 +34,10 @@ HOLD_STEPS = 8
 HOLDABLE = frozenset({"policy"})
 
 
-def holds(left: Sequence[int], held: int, max_steps: int, arrivals: int = 1) -> bool:
+def holds(left: Sequence[int], held: int, max_steps: int) -> bool:
     """Whether to defer admitting the head arrival at this boundary.
 
     ``left``: each running request's remaining output tokens by length
     (``max_new_tokens`` - tokens out; empty when nothing decodes); ``held``: boundaries
-    this arrival has already been held; ``max_steps``: the bound; ``arrivals``: the
-    arrivals waiting for the group now (the head among them)."""
-    return (max_steps > 0 and arrivals == 1 and bool(left)
-            and max(left) <= max_steps - held)
+    this arrival has already been held; ``max_steps``: the bound."""
+    return max_steps > 0 and bool(left) and max(left) <= max_steps - held

@@ -223,7 +223,7 @@ class Lifecycle(Release):
         # scheduler takes a request at its next step.
         admitting = s.scope.admitting and not wants_move and not held
         candidates = admission.candidates(self.pending, s.bind) if admitting else []
-        if candidates and s.is_leader and self._holds(scheduler, s, len(candidates)):
+        if candidates and s.is_leader and self._holds(scheduler, s):
             candidates = []  # offered (and admitted) once the running requests are done
         offers = exchange.offer(s.member, candidates)
         if offers:
@@ -287,11 +287,10 @@ class Lifecycle(Release):
         self.poll(scheduler)  # offers to take: their binds may still be in flight
         return None
 
-    def _holds(self, scheduler, s: GroupSession, arrivals: int) -> bool:
-        """The leader, before offering: whether the arrival at its queue's head (one of
-        ``arrivals`` for this group) waits for the running requests to finish
-        (``scheduler.hold.holds``); counts the boundaries it has waited. Only the
-        leader's answer is shared (``offer``)."""
+    def _holds(self, scheduler, s: GroupSession) -> bool:
+        """The leader, before offering: whether the arrival at its queue's head waits
+        for the running requests to finish (``scheduler.hold.holds``); counts the
+        boundaries it has waited. Only the leader's answer is shared (``offer``)."""
         head = self.pending[0]
         waiting = bool(scheduler.waiting_queue) or scheduler.chunked_req is not None
         reqs = list(scheduler.running_batch.reqs)
@@ -302,7 +301,7 @@ class Lifecycle(Release):
         if (head.upgrade is None and head.reason in hold.HOLDABLE and not waiting
                 and None not in bounds  # one without a bound (joined from DP) may run on
                 and hold.holds([b - len(r.output_ids) for b, r in zip(bounds, reqs, strict=True)],
-                               s.held_steps, self.hold_steps, arrivals)):
+                               s.held_steps, self.hold_steps)):
             s.held_steps += 1
             self.counters.held_admissions += s.held_steps == 1
             return True

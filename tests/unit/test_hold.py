@@ -23,7 +23,6 @@ def test_holds_only_while_every_running_request_fits_in_the_steps_left():
     assert holds([2], 5, 8) and not holds([4], 5, 8)  # 3 of 8 steps left
     assert not holds([], 0, 8)  # nothing decodes: nothing to protect
     assert not holds([1], 0, 0)  # --flying-hold-steps 0
-    assert holds([3], 0, 8, arrivals=1) and not holds([3], 0, 8, arrivals=2)  # a queue
 
 
 def test_a_hold_is_bounded_and_never_partial():
@@ -62,21 +61,3 @@ def test_the_simulated_group_holds_an_arrival_behind_a_request_near_its_end():
     # A request with more left than the bound is paused as before
     long, _ = _pair(40, HOLD_STEPS)
     assert max(long.itl_s) >= 0.040
-
-
-def test_the_simulated_group_admits_a_queue_of_arrivals_at_once():
-    """Two arrivals waiting together for a group whose running request is near its end
-    are not held: held, they would wait for it and then form one larger prefill."""
-    profile = flat(5.0, 8.0, prefill_ms=40.0)
-    trace = [TraceRequest(0, 0.0, 100, 6), TraceRequest(1, 0.052, 100, 8),
-             TraceRequest(2, 0.0521, 100, 8)]
-
-    def run(hold_steps: int):
-        cfg = policy_settings("static-tp", replace(FlyingConfig(), hold_steps=hold_steps))
-        return simulate(trace, profile, 2, cfg).records
-
-    held, at_once = run(HOLD_STEPS), run(0)
-    assert all(r.flying["mode"] == "tp" for r in held)
-    for r, r0 in zip(held[1:], at_once[1:], strict=True):
-        assert r.ttft_s == pytest.approx(r0.ttft_s)
-    assert max(held[0].itl_s) >= 0.040  # they pause A, as SGLang's own TP-2 would

@@ -250,7 +250,7 @@ class SimNode:
             # (``Lifecycle._tp_form``, ``exchange.offer``)
             if s.admitting and not wants_move:
                 offered = relayout.offers(s)
-                if offered and self._holds(s, offered[0], len(offered)):
+                if offered and self._holds(s, offered[0]):
                     offered = []  # the running requests finish first (``scheduler.hold``)
                 relayout.admit(self, s, offered)
             if wants_move and relayout.ready(s):
@@ -277,14 +277,13 @@ class SimNode:
             m.state = "group"
         self.loop.at(self.loop.now + ms / 1000.0, self._group_done, s, step)
 
-    def _holds(self, s: Session, head: Bind, arrivals: int) -> bool:
+    def _holds(self, s: Session, head: Bind) -> bool:
         """``Lifecycle._holds``: whether the group's leader holds its queue's head arrival
-        (one of ``arrivals``) at this boundary while every running request finishes;
-        counts the boundaries."""
+        at this boundary while every running request finishes; counts the boundaries."""
         server = s.server
         left = [r.max_new - r.out for r in server.running]
         if (head.reason in HOLDABLE and not (server.waiting or server.chunk or server.prefilling)
-                and holds(left, s.held_steps, self.hold_steps, arrivals)):
+                and holds(left, s.held_steps, self.hold_steps)):
             s.held_steps += 1
             self.counters["held"] += s.held_steps == 1
             return True
