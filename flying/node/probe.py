@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -216,8 +217,6 @@ def calibrate_long(url: str, degrees: list[int], engines: int, tokens: int) -> N
     as they serve a burst), then each degree's group. Its own failure (a model whose
     context is shorter rejects the prompt) loses this point alone, not the passes'
     curves."""
-    from concurrent.futures import ThreadPoolExecutor
-
     prompt = long_prompt(0, tokens)
     try:
         with ThreadPoolExecutor(engines) as pool:  # every engine's ask runs, then any fault
@@ -245,8 +244,6 @@ def calibrate(url: str, degrees: list[int], engines: int) -> None:
     (``calibration_asks``), then a long prompt alone on each (``calibrate_long``); the
     engines time the steps (``flying.session.step_costs``). Never raises: the curves
     are advice."""
-    from concurrent.futures import ThreadPoolExecutor
-
     kv_slots = _kv_slots(url)
     started, sizes = time.monotonic(), calibration_sizes(kv_slots)
     try:

@@ -102,8 +102,9 @@ def test_the_probe_is_marked_done_once_and_before_the_gate_opens(monkeypatch, ou
 
 def test_every_mode_measures_a_long_extend_step_after_its_passes(monkeypatch):
     """After the passes, a long prompt alone on each of every mode's servers (the DP
-    engines together, then the group), sharing no prefix with any pass's prompt; at most a quarter
-    of an engine's KV slots, none where that is short; ids valid in the demo vocabulary."""
+    engines together, then the group), sharing no prefix with any pass's prompt; at most
+    a quarter of an engine's KV slots, none where that is short; ids valid in the demo
+    vocabulary."""
     sent: list[tuple[int, int | None, tuple[int, ...]]] = []
     together = threading.Barrier(2, timeout=5)  # one engine after the other breaks it
 
