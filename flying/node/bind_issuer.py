@@ -52,9 +52,11 @@ class BindIssuer:
         return i % n
 
     def make_binds(
-        self, req, degree: int, group: Group | None = None, reason: str = "explicit"
+        self, req, degree: int, group: Group | None = None, reason: str = "explicit",
+        slo_tpot_ms: float = 0.0,
     ) -> list[tuple[int, Bind]]:
-        """(engine rank, Bind) for every member; the request's marker is removed."""
+        """(engine rank, Bind) for every member; the request's marker is removed;
+        ``slo_tpot_ms``: its TPOT SLO (``Bind.slo_tpot_ms``)."""
         req.routing_key = read_mark(req.routing_key).user_key
         group = group or self.choose(degree)
         bind = Bind(
@@ -64,6 +66,7 @@ class BindIssuer:
             req=req,
             issued_at=time.time(),
             reason=reason,
+            slo_tpot_ms=slo_tpot_ms,
         )
         self.issued += 1
         return [(rank, bind) for rank in group.ranks]

@@ -204,7 +204,23 @@ def _binds(controller, req, issuer, marker, found) -> tuple[list[tuple[int, Bind
         reason = "policy"
     if degree and group is None:
         group = issuer.choose(degree, _within(controller, degree))
-    return (issuer.make_binds(req, degree, group, reason) if degree else []), False
+    if not degree:
+        return [], False
+    return issuer.make_binds(req, degree, group, reason, _slo_tpot(controller, req)), False
+
+
+def _slo_tpot(controller, req) -> float:
+    """The request's TPOT SLO (ms): its own, else the node's (derived by the adaptive
+    policy, else ``--flying-slo-tpot``; 0: none known yet)."""
+    from flying.node import request_slo
+
+    try:
+        own = request_slo.of(req.sampling_params)[1]
+    except ValueError:  # refused with a 400 in the HTTP process; none here
+        own = 0.0
+    policy = getattr(controller, "_flying_policy", None)
+    slo = policy.slo if policy is not None else None
+    return own or (slo.tpot_ms if slo is not None else get_config().slo_tpot or 0.0)
 
 
 def upgrade_binds_for(controller, ask: Upgrade) -> list[tuple[int, Bind]]:

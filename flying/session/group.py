@@ -88,6 +88,9 @@ class GroupSession:
     #: boundaries the leader has held the arrival at its queue's head while the running
     #: requests finish (``scheduler.hold``); 0 once it is offered
     held_steps: int = 0
+    #: rid -> TPOT SLO (ms) of the requests bound into this session, from their binds
+    #: (``Bind.slo_tpot_ms``; the leader's, for its hold)
+    slo_tpot: dict = field(default_factory=dict)
     #: this member's DP decode needs KV slots the session holds: its DP step is held
     #: and the session yields (moves its requests or, closed to new ones, drains)
     dp_held: bool = False

@@ -6,6 +6,7 @@ SGLang's step boundaries; the states are ``flying.session.group.State``.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 
@@ -15,6 +16,7 @@ from flying.session import (
     containment,
     exchange,
     hand_back,
+    hold_view,
     join,
     layout_log,
     move,
@@ -223,7 +225,7 @@ class Lifecycle(Release):
         # scheduler takes a request at its next step.
         admitting = s.scope.admitting and not wants_move and not held
         candidates = admission.candidates(self.pending, s.bind) if admitting else []
-        if candidates and s.is_leader and self._holds(scheduler, s):
+        if candidates and s.is_leader and self._holds(scheduler, s, len(candidates)):
             candidates = []  # offered (and admitted) once the running requests are done
         offers = exchange.offer(s.member, candidates)
         if offers:
@@ -287,21 +289,28 @@ class Lifecycle(Release):
         self.poll(scheduler)  # offers to take: their binds may still be in flight
         return None
 
-    def _holds(self, scheduler, s: GroupSession) -> bool:
+    def _holds(self, scheduler, s: GroupSession, offered: int) -> bool:
         """The leader, before offering: whether the arrival at its queue's head waits
-        for the running requests to finish (``scheduler.hold.holds``); counts the
-        boundaries it has waited. Only the leader's answer is shared (``offer``)."""
+        for the running requests to finish (``scheduler.hold``: all of them finish
+        within the steps left, and admitting the ``offered`` arrivals now would put one
+        past its TPOT SLO); counts the boundaries it has waited. Only the leader's
+        answer is shared (``offer``)."""
         head = self.pending[0]
+        arrivals = list(itertools.islice(self.pending, offered))
+        for b in (s.bind, *arrivals):  # their SLOs, for when they are running
+            if b.req is not None and b.slo_tpot_ms:
+                s.slo_tpot[b.req.rid] = b.slo_tpot_ms
         waiting = bool(scheduler.waiting_queue) or scheduler.chunked_req is not None
-        reqs = list(scheduler.running_batch.reqs)
-        last = scheduler.last_batch  # a prefill's requests join the running batch at forming
-        if last is not None and last.forward_mode.is_extend():
-            reqs += [r for r in last.reqs if r not in reqs]
+        reqs = hold_view.running(scheduler)
         bounds = [r.sampling_params.max_new_tokens for r in reqs]
         if (head.upgrade is None and head.reason in hold.HOLDABLE and not waiting
                 and None not in bounds  # one without a bound (joined from DP) may run on
                 and hold.holds([b - len(r.output_ids) for b, r in zip(bounds, reqs, strict=True)],
-                               s.held_steps, self.hold_steps)):
+                               s.held_steps, self.hold_steps)
+                and (s.held_steps or hold.pause_breaks(
+                    hold_view.views(reqs, bounds, s.slo_tpot),
+                    hold_view.pause_ms(self.clock, s.bind.degree, arrivals),
+                    self.clock.predict(s.bind.degree, "decode", len(reqs))))):
             s.held_steps += 1
             self.counters.held_admissions += s.held_steps == 1
             return True

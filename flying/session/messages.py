@@ -166,6 +166,9 @@ class Bind:
     #: arrives; the others keep them, unless --flying-move-to-dp all)
     reason: str = "explicit"
     upgrade: Upgrade | None = None
+    #: the request's TPOT SLO in ms when bound: its own, else the node's (0: none
+    #: known); the leader's hold reads it (``scheduler.hold.pause_breaks``)
+    slo_tpot_ms: float = 0.0
 
     @property
     def rid(self) -> str:

@@ -235,6 +235,15 @@ class StepClock:
             curve[kind].append([round(work, 2), round(ms, 4)])
         return out
 
+    def predict(self, degree: int, kind: str, work: float) -> float | None:
+        """ms a step of ``kind`` doing ``work`` (batch size, new tokens) takes in mode
+        ``degree`` now: its curve as the policy reads it times the mode's stretch;
+        None where the mode has no point of that kind."""
+        points = self.curves().get(degree, {}).get(kind)
+        if not points:
+            return None
+        return read(points, work, kind) * self.stretch().get(degree, 1.0)
+
     def stretch(self, now: float | None = None) -> dict[int, float]:
         """Per degree that ran in the last ``STRETCH_S`` seconds (``MIN_SAMPLES`` steps
         at least): the mean of its recent steps' cost over what the curve reads at their

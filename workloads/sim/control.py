@@ -111,7 +111,9 @@ class Controller:
                 self.node.queue_dp(self.node.engines[rank], req)
             return
         group = group or self.issuer.choose(degree, self.policy.engines_for(degree))
-        self.node.issue(Bind(self._bind_id(), degree, group.ranks, req, why))
+        slo = self.policy.slo  # ``controller._slo_tpot``: the node's (no request's own here)
+        tpot = slo.tpot_ms if slo is not None else self.cfg.slo_tpot or 0.0
+        self.node.issue(Bind(self._bind_id(), degree, group.ranks, req, why, slo_tpot_ms=tpot))
 
     def upgrade(self, req: SimRequest) -> Decision | None:
         """An engine asks for a group for ``req``, a running DP request outgrowing it

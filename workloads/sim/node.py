@@ -50,7 +50,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Literal
 
-from scheduler.hold import HOLD_STEPS, HOLDABLE, holds
+from scheduler.hold import HOLD_STEPS, HOLDABLE, Running, holds, pause_breaks
 from scheduler.layout_choice import SwitchCosts
 from workloads.sim import relayout
 from workloads.sim.batching import Batcher, SimRequest, Step
@@ -250,7 +250,7 @@ class SimNode:
             # (``Lifecycle._tp_form``, ``exchange.offer``)
             if s.admitting and not wants_move:
                 offered = relayout.offers(s)
-                if offered and self._holds(s, offered[0]):
+                if offered and self._holds(s, offered):
                     offered = []  # the running requests finish first (``scheduler.hold``)
                 relayout.admit(self, s, offered)
             if wants_move and relayout.ready(s):
@@ -277,13 +277,20 @@ class SimNode:
             m.state = "group"
         self.loop.at(self.loop.now + ms / 1000.0, self._group_done, s, step)
 
-    def _holds(self, s: Session, head: Bind) -> bool:
+    def _holds(self, s: Session, offered: list[Bind]) -> bool:
         """``Lifecycle._holds``: whether the group's leader holds its queue's head arrival
-        at this boundary while every running request finishes; counts the boundaries."""
-        server = s.server
+        at this boundary while every running request finishes (and admitting the
+        ``offered`` arrivals now would leave one past its TPOT SLO); counts the
+        boundaries."""
+        server, head = s.server, offered[0]
         left = [r.max_new - r.out for r in server.running]
         if (head.reason in HOLDABLE and not (server.waiting or server.chunk or server.prefilling)
-                and holds(left, s.held_steps, self.hold_steps)):
+                and holds(left, s.held_steps, self.hold_steps)
+                and (s.held_steps or pause_breaks(
+                    [Running(r.max_new - r.out, r.out, _pace_ms(r), head.slo_tpot_ms)
+                     for r in server.running],
+                    server.costs.prefill(server.degree, sum(b.req.prompt for b in offered if b.req)),
+                    server.costs.decode(server.degree, len(server.running))))):
             s.held_steps += 1
             self.counters["held"] += s.held_steps == 1
             return True
@@ -370,3 +377,8 @@ class SimNode:
             assert e.reserved == sum(s.reserved for s in self.sessions if e in s.members)
             assert e.dp_used >= 0 and e.reserved >= 0
         assert_no_wait_cycle(self.engines)
+
+
+def _pace_ms(r: SimRequest) -> float:
+    """``hold_view.pace_ms``: ms per token between ``r``'s first and last tokens."""
+    return 1000.0 * (r.times[-1] - r.times[0]) / (len(r.times) - 1) if len(r.times) > 1 else 0.0

@@ -27,6 +27,7 @@ class Bind:
     holder: int = -1
     first_wait: float | None = None
     formed: bool = False
+    slo_tpot_ms: float = 0.0  # the node's TPOT SLO when bound (``Bind.slo_tpot_ms``)
 
 
 class Engine:
