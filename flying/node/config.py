@@ -221,7 +221,7 @@ _HELP = {
     "priority_threshold": "Priority at or above which a request runs in the largest TP group.",
     "preempt": "hard: pause members' DP requests (KV kept) for a bind; soft: let them finish first.",
     "move_to_dp": "Groups whose running requests move between layouts with their KV: policy, all, off.",
-    "hold_steps": "Group steps an arrival may wait for a group's running requests to finish before its prefill pauses them (0: never).",
+    "hold_steps": "Group steps an arrival may wait for a group's running requests to finish where its prefill would leave one past its TPOT SLO (0: never).",
     "light_load": "Adaptive policy: requests per engine below which engines group into TP.",
     "heavy_load": "Adaptive policy: requests per engine above which engines return to DP.",
     "tp_gain": "How much faster a group's measured step must be than one engine's to pick it for latency (0.10: 10 per cent).",
