@@ -36,6 +36,22 @@ def pace_ms(req) -> float:
     return 1000.0 * (last - first) / (n - 1)
 
 
+def note_slos(slos: dict[str, float], binds, scheduler, running_reqs) -> None:
+    """Record the TPOT SLOs of ``binds`` (the session's own and the arrivals offered
+    now) in ``slos`` (rid -> ms) and forget those of requests no longer running
+    (``running_reqs``), waiting, chunk-prefilled nor arriving, so a long session's map
+    stays its live set."""
+    chunked = [scheduler.chunked_req] if scheduler.chunked_req is not None else []
+    keep = {r.rid for r in (*running_reqs, *scheduler.waiting_queue, *chunked)}
+    for b in binds:
+        if b.req is not None:
+            keep.add(b.req.rid)
+            if b.slo_tpot_ms:
+                slos[b.req.rid] = b.slo_tpot_ms
+    for rid in [rid for rid in slos if rid not in keep]:
+        del slos[rid]
+
+
 def views(reqs, bounds: list[int], slos: dict[str, float]) -> list[hold.Running]:
     """``hold.Running`` of each request (``bounds``: their ``max_new_tokens``; ``slos``:
     rid -> TPOT SLO from their binds, absent: none known)."""

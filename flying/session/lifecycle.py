@@ -297,23 +297,21 @@ class Lifecycle(Release):
         answer is shared (``offer``)."""
         head = self.pending[0]
         arrivals = list(itertools.islice(self.pending, offered))
-        for b in (s.bind, *arrivals):  # their SLOs, for when they are running
-            if b.req is not None and b.slo_tpot_ms:
-                s.slo_tpot[b.req.rid] = b.slo_tpot_ms
-        waiting = bool(scheduler.waiting_queue) or scheduler.chunked_req is not None
         reqs = hold_view.running(scheduler)
+        hold_view.note_slos(s.slo_tpot, (s.bind, *arrivals), scheduler, reqs)
+        waiting = bool(scheduler.waiting_queue) or scheduler.chunked_req is not None
         bounds = [r.sampling_params.max_new_tokens for r in reqs]
+        # one without a bound (joined from DP) may run on
         if (head.upgrade is None and head.reason in hold.HOLDABLE and not waiting
-                and None not in bounds  # one without a bound (joined from DP) may run on
-                and hold.holds([b - len(r.output_ids) for b, r in zip(bounds, reqs, strict=True)],
-                               s.held_steps, self.hold_steps)
-                and (s.held_steps or hold.pause_breaks(
-                    hold_view.views(reqs, bounds, s.slo_tpot),
-                    hold_view.pause_ms(self.clock, s.bind.degree, arrivals),
-                    self.clock.predict(s.bind.degree, "decode", len(reqs))))):
-            s.held_steps += 1
-            self.counters.held_admissions += s.held_steps == 1
-            return True
+                and None not in bounds):
+            running = hold_view.views(reqs, bounds, s.slo_tpot)
+            if hold.holds([r.left for r in running], s.held_steps, self.hold_steps) and (
+                    s.held_steps or hold.pause_breaks(
+                        running, hold_view.pause_ms(self.clock, s.bind.degree, arrivals),
+                        self.clock.predict(s.bind.degree, "decode", len(reqs)))):
+                s.held_steps += 1
+                self.counters.held_admissions += s.held_steps == 1
+                return True
         s.held_steps = 0
         return False
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import random
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 
 from flying.node.config import FlyingConfig
+from flying.session.hold_view import note_slos, pace_ms
 from scheduler.hold import HOLD_STEPS, Running, holds, pause_breaks, tpot
 from tests.unit.test_simulate import flat
 from workloads.load.trace import TraceRequest
@@ -99,3 +101,27 @@ def test_the_simulated_group_admits_at_once_where_the_pause_leaves_the_slo_met()
     tight, _ = _pair(6, HOLD_STEPS, slo_tpot=12.0)
     assert max(loose.itl_s) >= 0.040  # B's prefill paused A
     assert max(tight.itl_s) < 0.040  # held: A streamed on
+
+
+def test_a_request_s_pace_is_read_from_sglang_s_timestamps():
+    def req(n, first, last):
+        stats = SimpleNamespace(prefill_finished_time=first, last_decode_finish_time=last)
+        return SimpleNamespace(output_ids=[0] * n, time_stats=stats)
+
+    assert pace_ms(req(5, 10.0, 10.2)) == pytest.approx(50.0)  # 4 intervals in 200 ms
+    assert pace_ms(req(1, 10.0, 10.0)) == 0.0  # one token: no interval yet
+    assert pace_ms(req(5, 0.0, 10.2)) == 0.0  # no first-token time
+    assert pace_ms(SimpleNamespace(output_ids=[0, 0])) == 0.0  # no timestamps at all
+
+
+def test_the_leader_keeps_the_slos_of_its_live_requests_only():
+    """A session may serve thousands of requests: the map keeps the running, waiting,
+    chunk-prefilled and arriving ones, and forgets the finished."""
+    slos = {"done": 5.0, "run": 7.0, "wait": 3.0, "chunk": 4.0}
+    sched = SimpleNamespace(chunked_req=SimpleNamespace(rid="chunk"),
+                            waiting_queue=[SimpleNamespace(rid="wait")])
+    binds = [SimpleNamespace(req=SimpleNamespace(rid="new"), slo_tpot_ms=9.0),
+             SimpleNamespace(req=SimpleNamespace(rid="none"), slo_tpot_ms=0.0),
+             SimpleNamespace(req=None, slo_tpot_ms=0.0)]  # an upgrade bind
+    note_slos(slos, binds, sched, [SimpleNamespace(rid="run")])
+    assert slos == {"run": 7.0, "wait": 3.0, "chunk": 4.0, "new": 9.0}
