@@ -301,9 +301,8 @@ class Lifecycle(Release):
         hold_view.note_slos(s.slo_tpot, (s.bind, *arrivals), scheduler, reqs)
         waiting = bool(scheduler.waiting_queue) or scheduler.chunked_req is not None
         bounds = [r.sampling_params.max_new_tokens for r in reqs]
-        # one without a bound (joined from DP) may run on
         if (head.upgrade is None and head.reason in hold.HOLDABLE and not waiting
-                and None not in bounds):
+                and None not in bounds):  # one without a bound (joined from DP) may run on
             running = hold_view.views(reqs, bounds, s.slo_tpot)
             if hold.holds([r.left for r in running], s.held_steps, self.hold_steps) and (
                     s.held_steps or hold.pause_breaks(
